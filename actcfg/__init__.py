@@ -1,0 +1,65 @@
+"""actcfg: declarative, checked and proven activation-memory policies for PyTorch training.
+
+`import actcfg` never imports torch or deepspeed: `apply` and `verify` load the runtime
+on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from actcfg._version import __version__
+from actcfg.errors import (
+    ActcfgError,
+    ConfigLoadError,
+    PolicyApplyError,
+    TranslationError,
+    VerifyError,
+)
+from actcfg.schema import Backend, Policy
+
+if TYPE_CHECKING:
+    from actcfg.runtime import AppliedPolicy
+
+__all__ = [
+    "ActcfgError",
+    "Backend",
+    "ConfigLoadError",
+    "Policy",
+    "PolicyApplyError",
+    "TranslationError",
+    "VerifyError",
+    "__version__",
+    "apply",
+    "load",
+    "translate",
+    "verify",
+]
+
+
+def load(source: Any, *, at: str | None = None) -> Policy:
+    """A validated `Policy` from a path, a YAML string, a dict or a `Policy`."""
+    from actcfg.checker import load as _load
+
+    return _load(source, at=at)
+
+
+def translate(policy: Policy, backend: Backend | str | None = None) -> dict[str, Any]:
+    """The backend's names for `policy`, as JSON-able data (see `actcfg translate`)."""
+    from actcfg.translate import translate as _translate
+
+    return _translate(policy, backend)
+
+
+def apply(model: Any, cfg: Any, *, backend: Backend | str | None = None, mpu: Any = None) -> AppliedPolicy:
+    """Put the policy into effect on `model` (needs torch); returns a removable handle."""
+    from actcfg.runtime import apply as _apply
+
+    return _apply(model, cfg, backend=backend, mpu=mpu)
+
+
+def verify(model_factory: Any, cfg: Any, **kwargs: Any) -> Any:
+    """Run the model plain and with the policy; report whether each promise held (needs torch)."""
+    from actcfg.verify import verify as _verify
+
+    return _verify(model_factory, cfg, **kwargs)

@@ -1,0 +1,3 @@
+from actcfg.cli import main
+
+raise SystemExit(main())

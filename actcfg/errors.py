@@ -1,0 +1,44 @@
+"""The one exception tree of actcfg. Imports nothing from actcfg."""
+
+from __future__ import annotations
+
+__all__ = [
+    "ActcfgError",
+    "ConfigLoadError",
+    "PolicyApplyError",
+    "TranslationError",
+    "VerifyError",
+]
+
+
+class ActcfgError(ValueError):
+    """Base of every error actcfg raises on purpose."""
+
+
+class ConfigLoadError(ActcfgError):
+    """A policy file or document could not be read, parsed or validated.
+
+    `diagnostics` holds every finding (file, line, column, code, message, hint),
+    so callers can render all of them, not only the first.
+    """
+
+    def __init__(self, message: str, diagnostics: tuple = ()) -> None:
+        super().__init__(message)
+        self.diagnostics = tuple(diagnostics)
+
+
+class TranslationError(ActcfgError):
+    """A backend cannot express a field of the policy."""
+
+    def __init__(self, field: str, backend: str, reason: str) -> None:
+        super().__init__(f"{field}: the {backend} backend cannot express this: {reason}")
+        self.field = field
+        self.backend = backend
+
+
+class PolicyApplyError(ActcfgError):
+    """`apply` could not put the policy into effect on this model."""
+
+
+class VerifyError(ActcfgError):
+    """`verify` could not measure (bad factory, no GPU where one is needed)."""

@@ -1,0 +1,411 @@
+"""The activation-memory policy, schema version 1: Pydantic models and cross-field rules.
+
+No I/O and no torch: this module is imported by `actcfg validate`, which must stay light.
+Every model is strict (unknown keys are errors, a quoted "false" is not a boolean) and
+frozen, and every field carries a docstring that becomes its description in `actcfg schema`.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    WithJsonSchema,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+__all__ = [
+    "Backend",
+    "Checkpoint",
+    "DEFAULT_SAVE_OPS",
+    "Finding",
+    "FullCheckpoint",
+    "NoCheckpoint",
+    "Policy",
+    "SelectiveCheckpoint",
+    "check_rules",
+    "format_size",
+    "parse_size",
+    "policy_json_schema",
+    "user_path",
+]
+
+
+class Backend(enum.StrEnum):
+    """The training stacks a policy can be translated to and applied with."""
+
+    DEEPSPEED = "deepspeed"
+    TORCH = "torch"
+
+
+# --- sizes ---------------------------------------------------------------------------
+
+_SIZE_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+SIZE_PATTERN = r"^\s*\d+(\.\d+)?\s*([kKmMgGtT]i?[bB]|[bB])?\s*$"
+
+
+def parse_size(value: Any) -> int:
+    """A byte count from a whole number of bytes or a human size such as `16GiB` or `8 GB`."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise PydanticCustomError(
+            "size_type",
+            "expected a size such as 16GiB or a whole number of bytes, got {kind}",
+            {"kind": type(value).__name__},
+        )
+    if isinstance(value, int):
+        if value < 0:
+            raise PydanticCustomError("size_negative", "a size cannot be negative", {})
+        return value
+    match = _SIZE_RE.match(value)
+    unit = match.group(2).lower() if match else ""
+    if not match or (unit and unit not in _SIZE_UNITS):
+        raise PydanticCustomError(
+            "size_format",
+            "'{value}' is not a size: write a number and one of B, KB, MB, GB, TB, "
+            "KiB, MiB, GiB, TiB, such as 16GiB",
+            {"value": value},
+        )
+    number = match.group(1)
+    if unit in ("", "b") and "." in number:
+        raise PydanticCustomError(
+            "size_format", "'{value}' is not a whole number of bytes", {"value": value}
+        )
+    return int(float(number) * _SIZE_UNITS[unit or "b"])
+
+
+def format_size(n: int) -> str:
+    """The shortest exact binary spelling of a byte count (`16GiB`), else plain bytes."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        scale = _SIZE_UNITS[unit.lower()]
+        if n and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+Size = Annotated[
+    int,
+    BeforeValidator(parse_size),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "integer", "minimum": 0},
+                {"type": "string", "pattern": SIZE_PATTERN},
+            ]
+        }
+    ),
+]
+
+# --- checkpoint modes ----------------------------------------------------------------
+
+# Matmul-class outputs are expensive to recompute and are what selective
+# activation checkpointing keeps; pointwise ops and norms are recomputed.
+# The same default as torchtitan's `_save_list`, minus collectives.
+DEFAULT_SAVE_OPS: tuple[str, ...] = (
+    "aten.mm",
+    "aten.addmm",
+    "aten.bmm",
+    "aten.baddbmm",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_cudnn_attention",
+)
+
+OpName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_.]*$")]
+ModulePattern = Annotated[StrictStr, Field(min_length=1)]
+
+
+class _Strict(BaseModel):
+    """Shared strictness: unknown keys are errors, values are frozen, defaults validated."""
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, use_attribute_docstrings=True, validate_default=True
+    )
+
+
+class NoCheckpoint(_Strict):
+    """No activation checkpointing: autograd saves every activation it needs."""
+
+    mode: Literal["none"]
+    """`none`: no recomputation."""
+
+
+class _Checkpointed(_Strict):
+    modules: tuple[ModulePattern, ...] = Field(min_length=1)
+    """Which submodules are checkpointed: fnmatch patterns, each matched against a
+    module's class name and its qualified name (`GPT2Block`, `layers.*`)."""
+
+    every: StrictInt = Field(1, ge=1)
+    """Checkpoint every n-th matched module in module order (the n-th, 2n-th, ...); 1 = all."""
+
+    reentrant: StrictBool = False
+    """torch only: use torch's reentrant checkpoint (default: non-reentrant, as torch advises)."""
+
+
+class FullCheckpoint(_Checkpointed):
+    """Keep only each checkpointed module's inputs; recompute its insides in backward."""
+
+    mode: Literal["full"]
+    """`full`: whole-module recomputation."""
+
+
+class SelectiveCheckpoint(_Checkpointed):
+    """torch only: keep the outputs of expensive ops, recompute the cheap ones."""
+
+    mode: Literal["selective"]
+    """`selective`: op-level recomputation (torch `create_selective_checkpoint_contexts`)."""
+
+    save_ops: tuple[OpName, ...] = DEFAULT_SAVE_OPS
+    """Ops whose outputs are saved, as `namespace.op` (`aten.mm`); every other op is recomputed."""
+
+
+Checkpoint = Annotated[
+    Union[NoCheckpoint, FullCheckpoint, SelectiveCheckpoint],
+    Discriminator("mode"),
+]
+CHECKPOINT_MODES = ("none", "full", "selective")
+
+
+# --- cross-field rules -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One cross-field rule's verdict on a valid-looking policy."""
+
+    code: str
+    severity: Literal["error", "warning"]
+    path: tuple[str, ...]
+    message: str
+    hint: str
+
+
+_DEEPSPEED_ONLY = {
+    "partition": "DeepSpeed's partition_activations; torch's analogue is tensor-parallel input_reshard",
+    "contiguous": "DeepSpeed's contiguous_memory_optimization",
+    "num_checkpoints": "DeepSpeed's number_checkpoints",
+    "synchronize": "DeepSpeed's synchronize_checkpoint_boundary",
+    "profile": "DeepSpeed's checkpoint profiling",
+}
+_DEFAULTS = {"partition": False, "contiguous": False, "num_checkpoints": None,
+             "synchronize": False, "profile": False}
+
+
+def _backend_rules(policy: Policy, backend: Backend, origin: str) -> list[Finding]:
+    out: list[Finding] = []
+    ckpt = policy.checkpoint
+    if backend is Backend.TORCH:
+        for key, what in _DEEPSPEED_ONLY.items():
+            if getattr(policy, key) != _DEFAULTS[key]:
+                out.append(Finding(
+                    "deepspeed-only", "error", (key,),
+                    f"`{key}` is DeepSpeed-only ({what}), but the backend is torch{origin}",
+                    f"set `backend: deepspeed`, or remove `{key}`",
+                ))
+        return out
+    # DeepSpeed
+    if ckpt.mode == "selective":
+        out.append(Finding(
+            "torch-only", "error", ("checkpoint", "mode"),
+            f"checkpoint.mode `selective` is torch-only, but the backend is deepspeed{origin}",
+            "use `mode: full`, or set `backend: torch`",
+        ))
+    if ckpt.mode != "none" and "reentrant" in ckpt.model_fields_set:
+        out.append(Finding(
+            "torch-only", "error", ("checkpoint", "reentrant"),
+            "checkpoint.reentrant is torch-only: DeepSpeed always routes through "
+            f"deepspeed.checkpointing.checkpoint (backend deepspeed{origin})",
+            "remove `reentrant`, or set `backend: torch`",
+        ))
+    if not policy.pin:
+        out.append(Finding(
+            "torch-only", "error", ("pin",),
+            f"`pin: false` is torch-only: DeepSpeed always offloads into pinned memory{origin}",
+            "remove `pin`, or set `backend: torch`",
+        ))
+    if policy.pin_budget is not None:
+        out.append(Finding(
+            "torch-only", "error", ("pin_budget",),
+            f"`pin_budget` is torch-only: DeepSpeed cannot bound its pinned memory{origin}",
+            "remove `pin_budget`, or set `backend: torch`",
+        ))
+    if ckpt.mode == "none":
+        for key in ("cpu_checkpointing", *_DEEPSPEED_ONLY):
+            if getattr(policy, key) != _DEFAULTS.get(key, False):
+                out.append(Finding(
+                    "needs-checkpointing", "error", (key,),
+                    f"`{key}` acts only inside deepspeed.checkpointing.checkpoint, but "
+                    f"checkpoint.mode is none{origin}: it would do nothing",
+                    "set `checkpoint: {mode: full, modules: [...]}`, or remove "
+                    f"`{key}`" + (" (offloading every activation is torch-only)"
+                                  if key == "cpu_checkpointing" else ""),
+                ))
+    if policy.partition:
+        out.append(Finding(
+            "partition-needs-model-parallel", "warning", ("partition",),
+            "`partition` shards checkpointed activations across the model-parallel group; "
+            "it shards nothing without a group of size > 1, and apply() refuses it then",
+            "pass `mpu=` (model-parallel size > 1) to actcfg.apply, or remove `partition`",
+        ))
+    return out
+
+
+def check_rules(policy: Policy, backends: tuple[Backend, ...] = ()) -> list[Finding]:
+    """Every cross-field finding for `policy` under its own backend and each of `backends`."""
+    out: list[Finding] = []
+    ckpt = policy.checkpoint
+    if policy.contiguous and not policy.partition:
+        out.append(Finding(
+            "contiguous-needs-partition", "error", ("contiguous",),
+            "`contiguous` packs partitioned activations into one buffer; it needs `partition: true`",
+            "set `partition: true`, or remove `contiguous`",
+        ))
+    if policy.contiguous and policy.num_checkpoints is None:
+        out.append(Finding(
+            "contiguous-needs-num-checkpoints", "error", ("contiguous",),
+            "`contiguous` preallocates one buffer per checkpoint and needs `num_checkpoints` "
+            "(DeepSpeed asserts at configure time, or fails with IndexError in forward)",
+            "set `num_checkpoints` to the number of checkpointed modules per step",
+        ))
+    if policy.num_checkpoints is not None and not policy.contiguous:
+        out.append(Finding(
+            "unused-setting", "warning", ("num_checkpoints",),
+            "`num_checkpoints` is only read by DeepSpeed's contiguous buffers; it does nothing here",
+            "remove `num_checkpoints`, or set `contiguous: true`",
+        ))
+    if ckpt.mode == "selective" and ckpt.reentrant:
+        out.append(Finding(
+            "selective-not-reentrant", "error", ("checkpoint", "reentrant"),
+            "selective checkpointing runs only on torch's non-reentrant checkpoint",
+            "remove `reentrant: true`, or use `mode: full`",
+        ))
+    if policy.pin_budget is not None and not policy.cpu_checkpointing:
+        out.append(Finding(
+            "unused-setting", "warning", ("pin_budget",),
+            "`pin_budget` bounds host memory for offloaded activations, but `cpu_checkpointing` "
+            "is off: nothing is offloaded",
+            "set `cpu_checkpointing: true`, or remove `pin_budget`",
+        ))
+    elif policy.pin_budget is not None and not policy.pin:
+        out.append(Finding(
+            "unused-setting", "warning", ("pin_budget",),
+            "`pin_budget` bounds pinned memory, but `pin: false` pins nothing",
+            "remove `pin_budget`, or set `pin: true`",
+        ))
+    seen: set[Backend] = set()
+    for backend in (policy.backend, *backends):
+        if backend in seen:
+            continue
+        seen.add(backend)
+        origin = "" if backend is policy.backend else " (from --backend)"
+        out.extend(_backend_rules(policy, backend, origin))
+    return out
+
+
+# --- the policy ----------------------------------------------------------------------------
+
+
+class Policy(_Strict):
+    """An activation-memory policy: what is recomputed, partitioned and offloaded."""
+
+    version: Literal[1]
+    """Schema version of this file; this actcfg reads version 1."""
+
+    backend: Backend = Backend.TORCH
+    """Backend that `actcfg.apply` and `actcfg translate` use unless told otherwise."""
+
+    checkpoint: Checkpoint = NoCheckpoint(mode="none")
+    """Activation checkpointing: which modules recompute their activations in backward."""
+
+    partition: StrictBool = False
+    """DeepSpeed only: split checkpointed activations across model-parallel ranks
+    (DeepSpeed `partition_activations`)."""
+
+    cpu_checkpointing: StrictBool = False
+    """Keep checkpointed inputs in host memory until backward (DeepSpeed `cpu_checkpointing`);
+    torch with `checkpoint.mode: none` offloads every saved activation."""
+
+    pin: StrictBool = True
+    """torch only: offload into page-locked (pinned) host buffers, which copy about 4x faster."""
+
+    pin_budget: Size | None = None
+    """torch only: most pinned host memory the offload engine holds, in bytes or a human size
+    (`16GiB`); past it, pageable memory. Unset: as much as one step needs."""
+
+    contiguous: StrictBool = False
+    """DeepSpeed only: pack partitioned activations into one preallocated buffer
+    (DeepSpeed `contiguous_memory_optimization`); needs `partition` and `num_checkpoints`."""
+
+    num_checkpoints: StrictInt | None = Field(None, ge=1)
+    """DeepSpeed only: checkpointed calls per step, sizing the contiguous buffers
+    (DeepSpeed `number_checkpoints`)."""
+
+    synchronize: StrictBool = False
+    """DeepSpeed only: synchronize the device at every checkpoint boundary
+    (DeepSpeed `synchronize_checkpoint_boundary`); for debugging and timing."""
+
+    profile: StrictBool = False
+    """DeepSpeed only: time checkpoint forward and backward passes (DeepSpeed `profile`)."""
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self, info: ValidationInfo) -> Policy:
+        backends = tuple((info.context or {}).get("backends", ()))
+        errors = [f for f in check_rules(self, backends) if f.severity == "error"]
+        if errors:
+            raise PydanticCustomError(
+                "policy_rule",
+                "{summary}",
+                {
+                    "summary": "; ".join(f"{'.'.join(f.path)}: {f.message} ({f.hint})" for f in errors),
+                    "findings": tuple(errors),
+                },
+            )
+        return self
+
+
+def user_path(loc: tuple[str | int, ...], data: Any) -> tuple[str | int, ...]:
+    """A Pydantic error location as the user wrote it: the union tag (`full` in
+    `('checkpoint', 'full', 'modules')`) is not a key of the file, so it is dropped."""
+    if (
+        len(loc) >= 2
+        and loc[0] == "checkpoint"
+        and loc[1] in CHECKPOINT_MODES
+        and isinstance(data, dict)
+        and isinstance(data.get("checkpoint"), dict)
+        and data["checkpoint"].get("mode") == loc[1]
+    ):
+        return (loc[0], *loc[2:])
+    return loc
+
+
+def policy_json_schema() -> dict[str, Any]:
+    """The JSON Schema of a policy file, in the draft-07 subset that editors understand."""
+    schema = Policy.model_json_schema(ref_template="#/definitions/{model}")
+    definitions = schema.pop("$defs", {})
+    out = {"$schema": "http://json-schema.org/draft-07/schema#", **schema}
+    if definitions:
+        out["definitions"] = definitions
+    return out
