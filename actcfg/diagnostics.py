@@ -1,0 +1,130 @@
+"""Findings and their rendering: `Diagnostic`, `Result`, and the reporters in `REPORTER_BY_NAME`.
+
+Reporters return text; the CLI decides where it goes. Library code never prints.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Literal, Protocol
+
+__all__ = [
+    "Diagnostic",
+    "GithubReporter",
+    "JsonReporter",
+    "REPORTER_BY_NAME",
+    "Reporter",
+    "Result",
+    "TextReporter",
+]
+
+Severity = Literal["error", "warning"]
+
+
+@dataclass(frozen=True)
+class Diagnostic:
+    """One finding: where (file, 1-based line and column; None for the whole file), what, and the fix."""
+
+    file: str
+    line: int | None
+    column: int | None
+    code: str
+    severity: Severity
+    message: str
+    hint: str
+
+    def __str__(self) -> str:
+        where = self.file if self.line is None else f"{self.file}:{self.line}:{self.column or 1}"
+        hint = f" ({self.hint})" if self.hint else ""
+        return f"{where}: {self.severity} {self.code}: {self.message}{hint}"
+
+
+@dataclass
+class Result:
+    """Every diagnostic of one `validate` run, in file order."""
+
+    files: list[str] = field(default_factory=list)
+    diagnostics: list[Diagnostic] = field(default_factory=list)
+
+    def add(self, file: str, diagnostics: list[Diagnostic]) -> None:
+        """Record that `file` was checked, with its findings."""
+        self.files.append(file)
+        self.diagnostics.extend(diagnostics)
+
+    @property
+    def errors(self) -> list[Diagnostic]:
+        """The diagnostics of severity error."""
+        return [d for d in self.diagnostics if d.severity == "error"]
+
+    @property
+    def warnings(self) -> list[Diagnostic]:
+        """The diagnostics of severity warning."""
+        return [d for d in self.diagnostics if d.severity == "warning"]
+
+    def success(self, strict: bool = False) -> bool:
+        """No errors, and under `strict` no warnings either."""
+        return not (self.diagnostics if strict else self.errors)
+
+    def summary(self) -> str:
+        """One line: how many files, errors and warnings."""
+        n_files, n_err, n_warn = len(self.files), len(self.errors), len(self.warnings)
+        return (
+            f"{n_files} file{'s' * (n_files != 1)} checked: "
+            f"{n_err} error{'s' * (n_err != 1)}, {n_warn} warning{'s' * (n_warn != 1)}"
+        )
+
+
+class Reporter(Protocol):
+    """Renders a `Result` as text for stdout."""
+
+    def render(self, result: Result, strict: bool = False) -> str: ...
+
+
+class TextReporter:
+    """`FILE:LINE:COL: error CODE: message (hint)`, one line per finding."""
+
+    def render(self, result: Result, strict: bool = False) -> str:
+        return "".join(f"{d}\n" for d in result.diagnostics)
+
+
+class JsonReporter:
+    """One JSON object: `{"status": "ok"|"invalid", "errors": [...]}`, warnings included."""
+
+    def render(self, result: Result, strict: bool = False) -> str:
+        body = {
+            "status": "ok" if result.success(strict) else "invalid",
+            "errors": [asdict(d) for d in result.diagnostics],
+        }
+        return json.dumps(body, indent=2) + "\n"
+
+
+def _escape_data(text: str) -> str:
+    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def _escape_property(text: str) -> str:
+    return _escape_data(text).replace(":", "%3A").replace(",", "%2C")
+
+
+class GithubReporter:
+    """GitHub workflow annotations, then the text lines: a step shows at most 10 annotations
+    of each severity (actions/toolkit#734), the log shows every line."""
+
+    def render(self, result: Result, strict: bool = False) -> str:
+        lines = []
+        for d in result.diagnostics:
+            props = [f"file={_escape_property(d.file)}"]
+            if d.line is not None:
+                props += [f"line={d.line}", f"col={d.column or 1}"]
+            props.append(f"title={_escape_property(f'actcfg {d.code}')}")
+            hint = f" ({d.hint})" if d.hint else ""
+            lines.append(f"::{d.severity} {','.join(props)}::{_escape_data(d.message + hint)}\n")
+        return "".join(lines) + TextReporter().render(result, strict)
+
+
+REPORTER_BY_NAME: dict[str, Reporter] = {
+    "text": TextReporter(),
+    "json": JsonReporter(),
+    "github": GithubReporter(),
+}
