@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
@@ -94,7 +95,8 @@ def parse_size(value: Any) -> int:
         raise PydanticCustomError(
             "size_format", "'{value}' is not a whole number of bytes", {"value": value}
         )
-    return int(float(number) * _SIZE_UNITS[unit or "b"])
+    # Decimal, not float: exact for 1.5GiB, and no OverflowError for a 400-digit number.
+    return int(Decimal(number) * _SIZE_UNITS[unit or "b"])
 
 
 def format_size(n: int) -> str:

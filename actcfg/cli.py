@@ -1,0 +1,242 @@
+"""`actcfg`: validate | schema | translate | import. Flags, wiring and exit codes only.
+
+Exit codes (docs/architecture.md): 0 every file valid; 1 any error (or any warning under
+`--strict`); 2 usage error or a file that cannot be read. No input produces a traceback.
+Adding a subcommand is one `_add_<name>` function and one entry in `COMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from actcfg._version import __version__
+from actcfg.checker import check_document, check_file
+from actcfg.diagnostics import REPORTER_BY_NAME, Diagnostic, Result
+from actcfg.errors import ActcfgError, TranslationError
+from actcfg.loader import LoadFailure, read_document, read_json
+from actcfg.schema import Backend, policy_json_schema
+
+__all__ = ["COMMANDS", "main"]
+
+_UNREADABLE = frozenset({"file-not-found", "file-unreadable"})
+_BACKENDS = [b.value for b in Backend]
+
+
+class _Usage(Exception):
+    """A usage error found after parsing: report it and exit 2."""
+
+
+def _out(text: str, path: str | None = None) -> None:
+    if path is None:
+        sys.stdout.write(text)
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    except OSError as e:
+        raise _Usage(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def _err(text: str) -> None:
+    sys.stderr.write(text)
+
+
+def _exit_code(diagnostics: Sequence[Diagnostic], strict: bool = False) -> int:
+    if any(d.code in _UNREADABLE for d in diagnostics):
+        return 2
+    if any(d.severity == "error" or strict for d in diagnostics):
+        return 1
+    return 0
+
+
+# --- validate ----------------------------------------------------------------------------
+
+
+def _validate(args: argparse.Namespace) -> int:
+    name = args.format or ("github" if os.environ.get("GITHUB_ACTIONS") == "true" else "text")
+    result = Result()
+    backends = tuple(args.backend or ())
+    for path in args.files:
+        _, diagnostics = check_file(path, backends=backends, at=args.at)
+        result.add(path, diagnostics)
+    _out(REPORTER_BY_NAME[name].render(result, args.strict))
+    if name != "json":
+        _err(f"actcfg: {result.summary()}\n")
+    return _exit_code(result.diagnostics, args.strict)
+
+
+def _add_validate(sub: Any) -> None:
+    p = sub.add_parser("validate", help="check policy files; exit 1 on any error")
+    p.add_argument("files", nargs="+", metavar="FILE", help="policy YAML files")
+    p.add_argument("--backend", action="append", choices=_BACKENDS,
+                   help="also check the rules of this backend (repeatable)")
+    p.add_argument("--format", choices=sorted(REPORTER_BY_NAME),
+                   help="output format (default: text; github under GITHUB_ACTIONS=true)")
+    p.add_argument("--strict", action="store_true", help="treat warnings as errors")
+    p.add_argument("--at", metavar="KEY", help="dotted key of the policy inside a larger YAML")
+    p.set_defaults(run=_validate)
+
+
+# --- schema ------------------------------------------------------------------------------
+
+
+def _schema(args: argparse.Namespace) -> int:
+    _out(json.dumps(policy_json_schema(), indent=2) + "\n", args.output)
+    return 0
+
+
+def _add_schema(sub: Any) -> None:
+    p = sub.add_parser("schema", help="print the JSON Schema of a policy file")
+    p.add_argument("-o", "--output", metavar="OUT", help="write here instead of stdout")
+    p.set_defaults(run=_schema)
+
+
+# --- translate and import ------------------------------------------------------------------
+
+
+def _report(diagnostics: Sequence[Diagnostic]) -> None:
+    _err("".join(f"{d}\n" for d in diagnostics))
+
+
+def _read_json(path: str) -> tuple[Any, list[Diagnostic]]:
+    try:
+        data = read_json(path)
+    except LoadFailure as e:
+        return None, [Diagnostic(path, e.line, e.column, e.code, "error", e.message, e.hint)]
+    if not isinstance(data, dict):
+        return None, [Diagnostic(path, 1, 1, "bad-value", "error",
+                                 "a ds_config is a JSON object", "pass the ds_config.json file")]
+    return data, []
+
+
+def _translate(args: argparse.Namespace) -> int:
+    from actcfg.translate import merge_ds_config, translate
+
+    try:
+        doc = read_document(args.file)
+    except LoadFailure as e:
+        failure = [Diagnostic(args.file, e.line, e.column, e.code, "error", e.message, e.hint)]
+        _report(failure)
+        return _exit_code(failure)
+    backends = (args.backend,) if args.backend else ()
+    policy, diagnostics = check_document(doc, backends=backends, at=args.at)
+    _report(diagnostics)
+    if policy is None:
+        return 1
+    backend = Backend(args.backend) if args.backend else policy.backend
+    if args.merge and backend is not Backend.DEEPSPEED:
+        raise _Usage("--merge needs the deepspeed backend (it edits a ds_config)")
+    try:
+        out = translate(policy, backend)
+    except TranslationError as e:
+        line, column = doc.section(args.at).locate(tuple(e.field.split(".")))
+        _report([Diagnostic(args.file, line, column, "unsupported-on-backend", "error",
+                            str(e), f"remove `{e.field}`, or choose another backend")])
+        return 1
+    if args.merge:
+        ds_config, problems = _read_json(args.merge)
+        if problems:
+            _report(problems)
+            return _exit_code(problems)
+        try:
+            out = merge_ds_config(ds_config, out["activation_checkpointing"])
+        except TranslationError as e:
+            _report([Diagnostic(args.merge, None, None, "ds-config-conflict", "error", str(e),
+                                "edit the ds_config or the policy so they agree")])
+            return 1
+    _out(json.dumps(out, indent=2) + "\n", args.output)
+    return 0
+
+
+def _add_translate(sub: Any) -> None:
+    p = sub.add_parser("translate", help="print the backend's names for a policy, as JSON")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--backend", choices=_BACKENDS, help="default: the policy's `backend`")
+    p.add_argument("--merge", metavar="DS_CONFIG",
+                   help="print this ds_config.json with the activation_checkpointing section merged in")
+    p.add_argument("-o", "--output", metavar="OUT", help="write here instead of stdout")
+    p.add_argument("--at", metavar="KEY", help="dotted key of the policy inside a larger YAML")
+    p.set_defaults(run=_translate)
+
+
+def _import(args: argparse.Namespace) -> int:
+    from actcfg.translate import import_ds_config
+
+    ds_config, problems = _read_json(args.file)
+    if problems:
+        _report(problems)
+        return _exit_code(problems)
+    try:
+        imported = import_ds_config(ds_config)
+    except TranslationError as e:
+        _report([Diagnostic(args.file, None, None, "unsupported-on-backend", "error", str(e),
+                            "fix the ds_config's activation_checkpointing section")])
+        return 1
+    _report([Diagnostic(args.file, None, None, "ignored-key", "warning",
+                        f"`{key}`: {why}", "DeepSpeed would ignore it; it was not imported")
+             for key, why in imported.ignored])
+    _out(imported.yaml, args.output)
+    return 0
+
+
+def _add_import(sub: Any) -> None:
+    p = sub.add_parser("import", help="print the actcfg policy equivalent to a ds_config.json")
+    p.add_argument("file", metavar="DS_CONFIG")
+    p.add_argument("-o", "--output", metavar="OUT", help="write here instead of stdout")
+    p.set_defaults(run=_import)
+
+
+# --- wiring --------------------------------------------------------------------------------
+
+COMMANDS: dict[str, Callable[[Any], None]] = {
+    "validate": _add_validate,
+    "schema": _add_schema,
+    "translate": _add_translate,
+    "import": _add_import,
+}
+"""Each subcommand's parser builder; a builder sets `run` (args -> exit code) as default."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="actcfg",
+        description="Declarative, checked activation-memory policies for PyTorch training.",
+    )
+    parser.add_argument("--version", action="version", version=f"actcfg {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in COMMANDS.values():
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI with `argv` (default: sys.argv[1:]); returns the exit code."""
+    try:
+        try:
+            args = _parser().parse_args(argv)
+        except SystemExit as e:  # argparse: --help and --version exit 0, usage errors 2
+            return e.code if isinstance(e.code, int) else 2
+        return args.run(args)
+    except _Usage as e:
+        _err(f"actcfg: error: {e}\n")
+        return 2
+    except ActcfgError as e:
+        _err(f"actcfg: error: {e}\n")
+        return 1
+    except KeyboardInterrupt:
+        _err("actcfg: interrupted\n")
+        return 2
+    except BrokenPipeError:
+        return 2
+    except Exception as e:  # last resort: never a traceback
+        _err(f"actcfg: internal error, please report: {type(e).__name__}: {e}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
