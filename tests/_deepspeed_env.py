@@ -1,0 +1,66 @@
+"""Session fixture: real DeepSpeed under a single-process gloo group on the CPU.
+
+Import the fixture into a test module (`from _deepspeed_env import ds_env`); tests/conftest.py
+belongs to another module's owner. The first init compiles a small C++ op (seconds).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from types import ModuleType
+
+import pytest
+
+_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+# configure() kwarg -> the module global of deepspeed/runtime/activation_checkpointing/
+# checkpointing.py it sets (ckpt.py:1202-1226).
+GLOBAL_BY_KWARG = {
+    "partition_activations": "PARTITION_ACTIVATIONS",
+    "contiguous_checkpointing": "CONTIGUOUS_CHECKPOINTING",
+    "num_checkpoints": "num_layers",
+    "checkpoint_in_cpu": "CPU_CHECKPOINT",
+    "synchronize": "SYNCHRONIZE",
+    "profile": "PROFILE_TIME",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ds_env() -> Iterator[ModuleType]:
+    """DeepSpeed's activation-checkpointing module, with torch.distributed initialised (gloo,
+    world size 1) so that `deepspeed.checkpointing.configure` can run."""
+    deepspeed = pytest.importorskip("deepspeed")
+    import torch.distributed as dist
+    from deepspeed.runtime.activation_checkpointing import checkpointing as ckpt
+
+    saved = {k: os.environ.get(k) for k in _ENV}
+    started = False
+    if not dist.is_initialized():
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+                          RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        deepspeed.init_distributed(dist_backend="gloo")
+        started = True
+    try:
+        yield ckpt
+    finally:
+        ckpt._configure_defaults()
+        if started:
+            dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def ds_globals(ckpt: ModuleType) -> dict[str, object]:
+    """DeepSpeed's activation-checkpointing state, keyed by configure() kwarg."""
+    return {kwarg: getattr(ckpt, name) for kwarg, name in GLOBAL_BY_KWARG.items()}
