@@ -39,7 +39,7 @@ BACKEND = "torch"
 COMPOSABLE_API = "torch.distributed._composable.checkpoint"
 REENTRANT_API = "torch.utils.checkpoint.checkpoint"
 
-_DS_ONLY = "is DeepSpeed-only ({what}); torch has no such setting: remove `{key}`, or translate for deepspeed"
+_DS_ONLY = "`{key}` is DeepSpeed-only ({what}); torch has no such setting: remove it, or translate for deepspeed"
 
 # actcfg field -> WrapPlan attribute (and the torch keyword argument it becomes).
 TABLE: dict[str, Entry] = {

@@ -1,0 +1,279 @@
+"""actcfg.translate.torch_native: the WrapPlan, bound against the real torch APIs."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import json
+
+import pytest
+
+from actcfg.errors import TranslationError
+from actcfg.schema import DEFAULT_SAVE_OPS, Policy
+from actcfg.translate import translate
+from actcfg.translate._table import Key, Meta, RoutedBy, Unsupported, policy_field_paths
+from actcfg.translate.torch_native import (
+    COMPOSABLE_API,
+    REENTRANT_API,
+    TABLE,
+    CheckpointPlan,
+    OffloadPlan,
+    WrapPlan,
+    to_torch_native,
+)
+
+try:
+    from tests._translate_cases import CASES, case_policies, check_golden, golden_names, orphan_goldens
+except ImportError:  # tests/ is not a package: pytest puts tests/ itself on sys.path
+    from _translate_cases import CASES, case_policies, check_golden, golden_names, orphan_goldens
+
+
+def _plans() -> dict[str, WrapPlan]:
+    out = {}
+    for name, policy in case_policies().items():
+        try:
+            out[name] = to_torch_native(policy)
+        except TranslationError:
+            continue
+    return out
+
+
+PLANS = _plans()
+CKPT_PLANS = {n: p for n, p in PLANS.items() if p.checkpoint is not None}
+
+
+def _resolve(dotted: str):
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+# --- the table --------------------------------------------------------------------------
+
+
+def test_table_covers_every_schema_field() -> None:
+    paths = policy_field_paths()
+    assert [p for p in paths if p not in TABLE] == []
+    assert [p for p in TABLE if p not in paths] == []
+    assert all(isinstance(e, (Key, RoutedBy, Unsupported, Meta)) for e in TABLE.values())
+
+
+def test_plan_is_plain_frozen_data() -> None:
+    plan = PLANS["torch-full-offload"]
+    assert plan == WrapPlan(
+        checkpoint=CheckpointPlan(modules=("Block",), every=1, use_reentrant=False,
+                                  preserve_rng_state=True, selective_save_ops=None,
+                                  api=COMPOSABLE_API),
+        offload=OffloadPlan(scope="checkpoint_inputs", pin=True, pin_budget=16 * 2**30),
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.offload = None  # type: ignore[misc]
+    assert [f.name for f in dataclasses.fields(CheckpointPlan)] == [
+        "modules", "every", "use_reentrant", "preserve_rng_state", "selective_save_ops", "api"]
+
+
+def test_to_json_order_and_roundtrip() -> None:
+    out = PLANS["torch-selective-mm"].to_json()
+    assert json.loads(json.dumps(out)) == out
+    assert out == {
+        "checkpoint": {"api": COMPOSABLE_API, "modules": ["*"], "every": 3,
+                       "use_reentrant": False, "preserve_rng_state": True,
+                       "selective_save_ops": ["aten.mm", "aten.addmm"]},
+        "offload": None,
+    }
+    assert translate(case_policies()["torch-selective-mm"]) == out
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("empty-torch", (None, None)),
+    ("torch-full", ((COMPOSABLE_API, False, None), None)),
+    ("torch-reentrant", ((REENTRANT_API, True, None), None)),
+    ("torch-reentrant-false", ((COMPOSABLE_API, False, None), None)),
+    ("torch-selective", ((COMPOSABLE_API, False, DEFAULT_SAVE_OPS), None)),
+    ("torch-offload-all", (None, ("all_saved", False, None))),
+    ("torch-full-offload", ((COMPOSABLE_API, False, None), ("checkpoint_inputs", True, 2**34))),
+    # pin_budget without cpu_checkpointing: the schema warns; nothing is offloaded.
+    ("torch-pin-budget-unused", ((COMPOSABLE_API, False, None), None)),
+    ("ds-cpu", ((COMPOSABLE_API, False, None), ("checkpoint_inputs", True, None))),
+])
+def test_plan_fields(name: str, expected) -> None:
+    plan = PLANS[name]
+    ck = plan.checkpoint and (plan.checkpoint.api, plan.checkpoint.use_reentrant,
+                              plan.checkpoint.selective_save_ops)
+    off = plan.offload and (plan.offload.scope, plan.offload.pin, plan.offload.pin_budget)
+    assert (ck, off) == expected
+
+
+# --- what torch cannot express --------------------------------------------------------------
+
+_BLOCK = {"mode": "full", "modules": ["B"]}
+
+
+@pytest.mark.parametrize(("data", "field", "reason"), [
+    ({"partition": True}, "partition",
+     "`partition` is DeepSpeed-only (partition_activations; torch's analogue is tensor-parallel "
+     "input_reshard); torch has no such setting: remove it, or translate for deepspeed "
+     "(got True)"),
+    ({"partition": True, "contiguous": True, "num_checkpoints": 2}, "partition", None),
+    ({"num_checkpoints": 4}, "num_checkpoints",
+     "`num_checkpoints` is DeepSpeed-only (number_checkpoints); torch has no such setting: "
+     "remove it, or translate for deepspeed (got 4)"),
+    ({"synchronize": True}, "synchronize", None),
+    ({"profile": True}, "profile",
+     "`profile` is DeepSpeed-only (checkpoint profiling); torch has no such setting: remove "
+     "it, or translate for deepspeed (got True)"),
+])
+def test_refuses_deepspeed_only_settings(data, field, reason) -> None:
+    policy = Policy.model_validate({"version": 1, "backend": "deepspeed", "checkpoint": _BLOCK,
+                                    **data})
+    with pytest.raises(TranslationError) as info:
+        to_torch_native(policy)
+    assert (info.value.field, info.value.backend) == (field, "torch")
+    if reason is not None:
+        assert str(info.value) == f"{field}: the torch backend cannot express this: {reason}"
+
+
+def test_contiguous_alone_is_named() -> None:
+    """Bypassing validation: each DeepSpeed-only field is checked on its own."""
+    base = Policy.model_validate({"version": 1, "checkpoint": _BLOCK})
+    policy = Policy.model_construct(**{**base.__dict__, "contiguous": True})
+    with pytest.raises(TranslationError, match=r"^contiguous: the torch backend cannot express"):
+        to_torch_native(policy)
+
+
+def test_refuses_selective_reentrant_even_unvalidated() -> None:
+    base = Policy.model_validate({"version": 1, "checkpoint": {"mode": "selective",
+                                                                "modules": ["B"]}})
+    ckpt = base.checkpoint.model_construct(**{**base.checkpoint.__dict__, "reentrant": True})
+    policy = Policy.model_construct(**{**base.__dict__, "checkpoint": ckpt})
+    with pytest.raises(TranslationError, match=r"^checkpoint.reentrant: the torch backend .*"
+                                               r"non-reentrant checkpoint; remove `reentrant: true`"):
+        to_torch_native(policy)
+
+
+# --- goldens -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(golden_names()))
+def test_golden(name: str) -> None:
+    check_golden(name, golden_names()[name], "torch")
+
+
+def test_no_orphan_goldens() -> None:
+    assert orphan_goldens("torch") == []
+
+
+# --- bound against the real torch -----------------------------------------------------------
+
+torch = pytest.importorskip("torch")
+
+
+def test_api_names_resolve() -> None:
+    from torch.distributed._composable import checkpoint as composable
+
+    assert _resolve(COMPOSABLE_API) is composable
+    assert _resolve(REENTRANT_API) is torch.utils.checkpoint.checkpoint
+
+
+def _toy() -> torch.nn.Module:
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(16, 16) / 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(x @ self.w) @ self.w
+
+    torch.manual_seed(0)
+    return Block()
+
+
+def _grads(fn, block, x0) -> list[torch.Tensor]:
+    block.zero_grad()
+    x0.grad = None
+    fn(x0 * 1.0).sum().backward()
+    return [block.w.grad.clone(), x0.grad.clone()]
+
+
+def _sac_context(ops: tuple[str, ...]):
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    overloads = []
+    for name in ops:
+        ns, op = name.split(".", 1)
+        packet = getattr(getattr(torch.ops, ns), op)
+        assert isinstance(packet, torch._ops.OpOverloadPacket), name
+        overloads += [getattr(packet, o) for o in packet.overloads()]
+    return functools.partial(create_selective_checkpoint_contexts, overloads)
+
+
+@pytest.mark.parametrize("name", sorted(CKPT_PLANS))
+def test_plan_runs_through_its_torch_api(name: str) -> None:
+    """Call the named API with exactly the plan's kwargs on a toy block: it accepts them and
+    the gradients equal the plain run's."""
+    plan = CKPT_PLANS[name].checkpoint
+    api = _resolve(plan.api)
+    kwargs = plan.kwargs()
+    if plan.selective_save_ops is not None:
+        kwargs["context_fn"] = _sac_context(plan.selective_save_ops)
+    block = _toy()
+    x0 = torch.randn(4, 16, requires_grad=True)
+    plain = _grads(block, block, x0)
+    if plan.api == COMPOSABLE_API:
+        api(block, **kwargs)
+        got = _grads(block, block, x0)
+    else:
+        inspect.signature(api).bind(block, x0, **kwargs)
+        got = _grads(lambda x: api(block, x, **kwargs), block, x0)
+    for g, want in zip(got, plain):
+        torch.testing.assert_close(g, want)
+
+
+def test_composable_rejects_a_misspelt_kwarg() -> None:
+    """Binding means something: the composable API refuses keys it does not know."""
+    with pytest.raises(ValueError, match="Unexpected keyword arguments: use_reentrant_"):
+        _resolve(COMPOSABLE_API)(torch.nn.Linear(2, 2), use_reentrant_=False)
+
+
+@pytest.mark.parametrize("name", sorted(DEFAULT_SAVE_OPS))
+def test_default_save_ops_are_real_ops(name: str) -> None:
+    ns, op = name.split(".", 1)
+    assert isinstance(getattr(getattr(torch.ops, ns), op), torch._ops.OpOverloadPacket)
+
+
+def _mm_flops(fn) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_flop_counts()["Global"][torch.ops.aten.mm]
+
+
+def test_selective_plan_saves_mm_full_plan_recomputes_it() -> None:
+    """The SAC context built from `selective_save_ops` keeps matmuls out of recomputation:
+    mm FLOPs equal the plain run's, while full checkpointing recomputes one."""
+    x0 = torch.randn(4, 16, requires_grad=True)
+
+    def run(plan: CheckpointPlan | None) -> int:
+        block = _toy()
+        if plan is not None:
+            kwargs = plan.kwargs()
+            if plan.selective_save_ops is not None:
+                kwargs["context_fn"] = _sac_context(plan.selective_save_ops)
+            _resolve(plan.api)(block, **kwargs)
+        return _mm_flops(lambda: block(x0 * 1.0).sum().backward())
+
+    plain = run(None)
+    full = run(PLANS["torch-full"].checkpoint)
+    selective = run(PLANS["torch-selective"].checkpoint)
+    # Full recomputes the first matmul; early_stop skips the last, whose output backward
+    # does not need.
+    assert full == plain + 2 * 4 * 16 * 16
+    assert selective == plain
+
+
+def test_offload_plan_binds_save_on_cpu() -> None:
+    plan = PLANS["torch-offload-all"].offload
+    bound = inspect.signature(torch.autograd.graph.save_on_cpu).bind(pin_memory=plan.pin)
+    assert bound.arguments == {"pin_memory": False}
