@@ -49,6 +49,7 @@ _TYPE_WORDS = {
     "dict_type": "a mapping",
     "model_type": "a mapping",
     "model_attributes_type": "a mapping",
+    "size_type": "a size such as 16GiB or a whole number of bytes",
 }
 
 _MISSING_HINTS = {
@@ -121,7 +122,7 @@ def _from_error(error: Mapping[str, Any], data: Any, doc: Document | None, name:
         path = (*path, "mode")
         message = f"`checkpoint.mode` is {_shown(tag)}, which is not a checkpoint mode"
         close = difflib.get_close_matches(str(tag), CHECKPOINT_MODES, n=1, cutoff=0.6)
-        hint = "choose one of none, full, selective" + (f" (did you mean `{close[0]}`?)" if close else "")
+        hint = "choose one of none, full, selective" + (f"; did you mean `{close[0]}`?" if close else "")
     elif kind in ("enum", "literal_error"):
         expected = str(ctx.get("expected", "")).replace("'", "")
         message = f"`{where}` is {_shown(value)}; expected {expected}"
@@ -130,7 +131,7 @@ def _from_error(error: Mapping[str, Any], data: Any, doc: Document | None, name:
         else:
             choices = [c.strip() for c in expected.replace(" or ", ",").split(",") if c.strip()]
             close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.6)
-            hint = f"choose one of {', '.join(choices)}" + (f" (did you mean `{close[0]}`?)" if close else "")
+            hint = f"choose one of {', '.join(choices)}" + (f"; did you mean `{close[0]}`?" if close else "")
     elif code == "wrong-type":
         expected = _TYPE_WORDS.get(kind)
         message = (
@@ -150,8 +151,8 @@ def _from_error(error: Mapping[str, Any], data: Any, doc: Document | None, name:
         message = f"`{where}` is {_shown(value)}: a size cannot be negative"
         hint = "use a size of 0 or more, such as 16GiB"
     elif code == "bad-size":
-        message = f"`{where}`: {error['msg']}"
-        hint = "write a size such as 16GiB, 512MiB or 8GB"
+        message = f"`{where}` is {_shown(value)}, not a size"
+        hint = "write a number and one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, such as 16GiB"
     elif kind == "string_pattern_mismatch" and "save_ops" in path:
         message = f"`{where}` is {_shown(value)}, not an op name"
         hint = "write ops as namespace.op, such as aten.mm"

@@ -37,7 +37,9 @@ class Diagnostic:
     def __str__(self) -> str:
         where = self.file if self.line is None else f"{self.file}:{self.line}:{self.column or 1}"
         hint = f" ({self.hint})" if self.hint else ""
-        return f"{where}: {self.severity} {self.code}: {self.message}{hint}"
+        line = f"{where}: {self.severity} {self.code}: {self.message}{hint}"
+        # One finding, one line: a key from the file may hold a line break.
+        return line.replace("\r", "\\r").replace("\n", "\\n")
 
 
 @dataclass
