@@ -1,0 +1,211 @@
+"""schema: strictness, sizes, each cross-field rule's exact finding, and the JSON Schema."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from pydantic import ValidationError
+
+from actcfg.loader import read_document
+from actcfg.schema import (
+    Backend,
+    Finding,
+    FullCheckpoint,
+    Policy,
+    check_rules,
+    format_size,
+    parse_size,
+    policy_json_schema,
+    user_path,
+)
+from conftest import CONFIGS, DATA, ROOT
+
+FULL = {"mode": "full", "modules": ["Block"]}
+
+
+def _errors(data, **context):
+    with pytest.raises(ValidationError) as info:
+        Policy.model_validate(data, context=context or None)
+    out = info.value.errors(include_url=False)
+    for e in out:
+        e.pop("input", None)
+    return out
+
+
+def test_quoted_false_is_not_a_boolean():
+    assert _errors({"version": 1, "pin": "false"}) == [
+        {"type": "bool_type", "loc": ("pin",), "msg": "Input should be a valid boolean"}
+    ]
+
+
+def test_unknown_keys_are_errors_at_every_level():
+    assert _errors({"version": 1, "checkpoint_in_cpu": True,
+                    "checkpoint": {**FULL, "evry": 2}}) == [
+        {"type": "extra_forbidden", "loc": ("checkpoint", "full", "evry"),
+         "msg": "Extra inputs are not permitted"},
+        {"type": "extra_forbidden", "loc": ("checkpoint_in_cpu",),
+         "msg": "Extra inputs are not permitted"},
+    ]
+
+
+def test_unknown_mode_is_one_union_tag_error():
+    assert _errors({"version": 1, "checkpoint": {"mode": "fll"}}) == [
+        {"type": "union_tag_invalid", "loc": ("checkpoint",),
+         "msg": "Input tag 'fll' found using 'mode' does not match any of the expected tags: "
+                "'none', 'full', 'selective'",
+         "ctx": {"discriminator": "'mode'", "tag": "fll", "expected_tags": "'none', 'full', 'selective'"}}
+    ]
+
+
+def test_user_path_strips_the_union_tag():
+    data = {"checkpoint": {"mode": "full"}}
+    assert user_path(("checkpoint", "full", "every"), data) == ("checkpoint", "every")
+    assert user_path(("checkpoint", "full", "every"), {"checkpoint": {"mode": "selective"}}) == (
+        "checkpoint", "full", "every")
+    assert user_path(("pin",), data) == ("pin",)
+
+
+def test_frozen():
+    policy = Policy(version=1)
+    with pytest.raises(ValidationError):
+        policy.pin = False  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("text", "n"),
+    [("16GiB", 16 * 2**30), ("8 GB", 8 * 10**9), ("1.5GiB", 3 * 2**29), ("512", 512),
+     ("0", 0), (1024, 1024), ("2kb", 2000), (" 3 MiB ", 3 * 2**20),
+     ("1" * 400 + "TiB", int("1" * 400) * 2**40)],
+)
+def test_parse_size(text, n):
+    assert parse_size(text) == n
+
+
+@pytest.mark.parametrize(
+    ("value", "kind"),
+    [("16 gigs", "size_format"), ("1.5", "size_format"), ("1e9", "size_format"), (-1, "size_negative"),
+     (True, "size_type"), (1.5, "size_type"), (None, "size_type")],
+)
+def test_parse_size_refusals(value, kind):
+    with pytest.raises(Exception) as info:
+        parse_size(value)
+    assert info.value.type == kind
+
+
+def test_format_size_round_trips():
+    for n in (0, 1, 1023, 2**10, 3 * 2**20, 16 * 2**30, 5 * 2**40):
+        assert parse_size(format_size(n)) == n
+    assert format_size(16 * 2**30) == "16GiB"
+
+
+def _finding(policy_data, backends=()):
+    return check_rules(Policy.model_validate(policy_data), tuple(backends))
+
+
+def _rule_error(data, **context) -> tuple[Finding, ...]:
+    [error] = _errors(data, **context)
+    assert error["type"] == "policy_rule" and error["loc"] == ()
+    return error["ctx"]["findings"]
+
+
+def test_contiguous_needs_partition_and_num_checkpoints():
+    findings = _rule_error({"version": 1, "backend": "deepspeed", "checkpoint": FULL, "contiguous": True})
+    assert findings == (
+        Finding("contiguous-needs-partition", "error", ("contiguous",),
+                "`contiguous` packs partitioned activations into one buffer; it needs `partition: true`",
+                "set `partition: true`, or remove `contiguous`"),
+        Finding("contiguous-needs-num-checkpoints", "error", ("contiguous",),
+                "`contiguous` preallocates one buffer per checkpoint and needs `num_checkpoints` "
+                "(DeepSpeed asserts at configure time, or fails with IndexError in forward)",
+                "set `num_checkpoints` to the number of checkpointed modules per step"),
+    )
+
+
+def test_selective_is_torch_only():
+    [f] = _rule_error({"version": 1, "backend": "deepspeed",
+                       "checkpoint": {"mode": "selective", "modules": ["Block"]}})
+    assert (f.code, f.path) == ("torch-only", ("checkpoint", "mode"))
+    assert f.message == "checkpoint.mode `selective` is torch-only, but the backend is deepspeed"
+
+
+def test_reentrant_is_torch_only_and_not_with_selective():
+    [f] = _rule_error({"version": 1, "backend": "deepspeed", "checkpoint": {**FULL, "reentrant": False}})
+    assert (f.code, f.path) == ("torch-only", ("checkpoint", "reentrant"))
+    [f] = _rule_error({"version": 1, "checkpoint": {"mode": "selective", "modules": ["B"], "reentrant": True}})
+    assert f.code == "selective-not-reentrant"
+
+
+def test_partition_and_contiguous_are_deepspeed_only():
+    findings = _rule_error({"version": 1, "backend": "torch", "checkpoint": FULL, "partition": True,
+                            "contiguous": True, "num_checkpoints": 4})
+    assert [(f.code, f.path) for f in findings] == [
+        ("deepspeed-only", ("partition",)), ("deepspeed-only", ("contiguous",)),
+        ("deepspeed-only", ("num_checkpoints",)),
+    ]
+    assert findings[0].message == (
+        "`partition` is DeepSpeed-only (DeepSpeed's partition_activations; torch's analogue is "
+        "tensor-parallel input_reshard), but the backend is torch"
+    )
+
+
+def test_cpu_checkpointing_without_checkpointing_is_torch_only():
+    assert Policy.model_validate({"version": 1, "cpu_checkpointing": True}).cpu_checkpointing
+    [f] = _rule_error({"version": 1, "backend": "deepspeed", "cpu_checkpointing": True})
+    assert (f.code, f.path) == ("needs-checkpointing", ("cpu_checkpointing",))
+    assert f.hint.endswith("(offloading every activation is torch-only)")
+
+
+def test_backend_from_context_is_checked_too():
+    [f] = _rule_error({"version": 1, "cpu_checkpointing": True}, backends=(Backend.DEEPSPEED,))
+    assert f.message.endswith("checkpoint.mode is none (from --backend): it would do nothing")
+
+
+def test_warnings_do_not_fail_validation():
+    data = {"version": 1, "backend": "deepspeed", "checkpoint": FULL, "partition": True}
+    assert [(f.code, f.severity) for f in _finding(data)] == [("partition-needs-model-parallel", "warning")]
+    data = {"version": 1, "pin_budget": "1GiB"}
+    [f] = _finding(data)
+    assert (f.code, f.severity, f.path) == ("unused-setting", "warning", ("pin_budget",))
+    data = {"version": 1, "num_checkpoints": 4, "backend": "deepspeed", "checkpoint": FULL}
+    assert [(f.code, f.path) for f in _finding(data)] == [("unused-setting", ("num_checkpoints",))]
+
+
+def test_defaults():
+    policy = Policy(version=1)
+    assert policy.backend is Backend.TORCH and policy.checkpoint.mode == "none"
+    assert (policy.partition, policy.cpu_checkpointing, policy.pin, policy.pin_budget) == (False, False, True, None)
+    assert FullCheckpoint(mode="full", modules=("Block",)).every == 1
+
+
+# --- the JSON Schema -------------------------------------------------------------------------
+
+
+def test_committed_schema_is_up_to_date():
+    committed = json.loads((ROOT / "docs" / "actcfg.schema.json").read_text())
+    assert committed == policy_json_schema()
+
+
+def test_schema_is_draft7_with_descriptions_and_no_extra_properties():
+    schema = policy_json_schema()
+    jsonschema.Draft7Validator.check_schema(schema)
+    assert schema["additionalProperties"] is False
+    models = [d for d in schema["definitions"].values() if "properties" in d]
+    assert len(models) == 3 and all(d["additionalProperties"] is False for d in models)
+    assert all("description" in p for p in schema["properties"].values())
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_schema_accepts_every_config(path):
+    jsonschema.Draft7Validator(policy_json_schema()).validate(read_document(path).data)
+
+
+@pytest.mark.parametrize(
+    "name", ["seed-checkpoint-in-cpu.yaml", "yaml11-boolean.yaml", "quoted-false.yaml", "bad-mode.yaml",
+             "missing-version.yaml", "wrong-level.yaml", "bad-size.yaml"],
+)
+def test_schema_rejects_invalid_files(name):
+    data = read_document(DATA / "invalid" / name).data
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft7Validator(policy_json_schema()).validate(data)
