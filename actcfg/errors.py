@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "ActcfgError",
     "ConfigLoadError",
+    "OffloadError",
     "PolicyApplyError",
     "TranslationError",
     "VerifyError",
@@ -42,3 +43,7 @@ class PolicyApplyError(ActcfgError):
 
 class VerifyError(ActcfgError):
     """`verify` could not measure (bad factory, no GPU where one is needed)."""
+
+
+class OffloadError(PolicyApplyError):
+    """The offload engine cannot do what the policy asks (no CUDA, out of GPU memory on reload)."""

@@ -1,0 +1,252 @@
+"""The offload engine on real torch: lossless, bounded, flat, and clean after faults.
+
+CUDA tests run on the GPU machine (`pytest -m cuda`); without a GPU only the CPU contract runs.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from actcfg.errors import OffloadError
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_engine_without_cuda_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from actcfg.offload import OffloadEngine
+
+    with pytest.raises(OffloadError, match=r"^cpu_checkpointing needs a CUDA GPU: .* set `cpu_checkpointing: false`\.$"):
+        OffloadEngine()
+
+
+# --- helpers -----------------------------------------------------------------------------
+
+
+class Chain(nn.Module):
+    """Linear+GELU layers; a forward pre-hook marks each layer as an offload group."""
+
+    def __init__(self, n: int, width: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _run(model, x, engine=None, hooks_on=None):
+    model.zero_grad(set_to_none=True)
+    if engine is None:
+        out = model(x)
+    else:
+        handles = [m.register_forward_pre_hook(lambda *_: engine.mark_group()) for m in hooks_on]
+        try:
+            with engine.step():
+                out = model(x)
+        finally:
+            for h in handles:
+                h.remove()
+    out.float().square().mean().backward()
+    return out.detach(), _grads(model)
+
+
+def _pair(n=6, width=1024, rows=2048, dtype=torch.float32):
+    torch.manual_seed(0)
+    model = Chain(n, width).cuda().to(dtype)
+    x = torch.randn(rows, width, device="cuda", dtype=dtype, requires_grad=True)
+    return model, x
+
+
+# --- CUDA ----------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("pin", [True, False])
+def test_offload_is_lossless(pin):
+    """Every saved activation goes to the host and back; gradients are bitwise the plain run's."""
+    from actcfg.offload import OffloadEngine
+
+    model, x = _pair()
+    plain_out, plain_grads = _run(model, x)
+    engine = OffloadEngine(pin=pin)
+    engine.skip_tensors_of(model)
+    for _ in range(2):
+        out, grads = _run(model, x, engine, model.layers)
+        assert torch.equal(out, plain_out)
+        assert grads.keys() == plain_grads.keys()
+        for name in grads:
+            assert torch.equal(grads[name], plain_grads[name]), name
+    st = engine.stats
+    # 6 layers x (linear input, gelu input): the last layer's group stays on the GPU.
+    per_tensor = 2048 * 1024 * 4
+    assert st.offloaded_tensors == 10 and st.offloaded_bytes == 10 * per_tensor
+    assert st.kept_bytes == 2 * per_tensor
+    assert st.reloaded_bytes > 0
+    assert (st.pinned_bytes > 0) == pin and (st.pageable_bytes > 0) == (not pin)
+    engine.close()
+
+
+@pytest.mark.cuda
+@cuda
+def test_memory_held_per_block_is_flat_and_pool_is_reused():
+    from actcfg.offload import OffloadEngine
+
+    n, width, rows = 12, 1024, 4096
+    model, x = _pair(n, width, rows)
+    one = rows * width * 4
+    engine = OffloadEngine()
+    engine.skip_tensors_of(model)
+    held: list[int] = []
+    probes = [m.register_forward_hook(lambda *_: held.append(torch.cuda.memory_allocated())) for m in model.layers]
+    allocations = []
+    for _ in range(3):
+        held.clear()
+        _run(model, x, engine, model.layers)
+        allocations.append(engine.stats.pinned_allocations)
+    for p in probes:
+        p.remove()
+    second_half = held[n // 2:]
+    growth = (second_half[-1] - second_half[0]) / (len(second_half) - 1)
+    assert growth < 0.05 * one, f"memory grew {growth / one:.2f} layer inputs per layer"
+    # Plain autograd would hold 2 tensors per layer; the engine holds a bounded few.
+    assert held[-1] - held[0] < 4 * one
+    assert allocations[1] == allocations[0] == allocations[2], allocations
+    engine.close()
+
+
+@pytest.mark.cuda
+@cuda
+def test_pin_budget_bounds_pinned_memory_and_falls_back_once():
+    from actcfg.offload import OffloadEngine, OffloadWarning
+
+    model, x = _pair()
+    _, plain_grads = _run(model, x)
+    one = 2048 * 1024 * 4
+    budget = 5 * one  # half of the 10 tensors a step offloads
+    engine = OffloadEngine(pin_budget=budget)
+    engine.skip_tensors_of(model)
+    with pytest.warns(OffloadWarning, match=r"pin_budget \(\d+ bytes\) is reached"):
+        _, grads = _run(model, x, engine, model.layers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once, not every step
+        _, grads2 = _run(model, x, engine, model.layers)
+    for g in (grads, grads2):
+        for name in g:
+            assert torch.equal(g[name], plain_grads[name]), name
+    assert 0 < engine.stats.pinned_bytes <= budget
+    assert engine.stats.pageable_bytes > 0
+    engine.close()
+
+
+@pytest.mark.cuda
+@cuda
+def test_failing_pinned_allocator_falls_back_to_pageable(monkeypatch):
+    from actcfg import offload
+
+    def refuse(self, buffer):
+        raise RuntimeError("cudaHostRegister returned error 2")
+
+    monkeypatch.setattr(offload._HostPool, "_register", refuse)
+    model, x = _pair()
+    _, plain_grads = _run(model, x)
+    engine = offload.OffloadEngine()
+    engine.skip_tensors_of(model)
+    with pytest.warns(offload.OffloadWarning, match=r"pinning \d+ bytes of host memory failed"):
+        _, grads = _run(model, x, engine, model.layers)
+    for name in grads:
+        assert torch.equal(grads[name], plain_grads[name]), name
+    assert engine.stats.pinned_bytes == 0 and engine.stats.pageable_bytes > 0
+    engine.close()
+
+
+@pytest.mark.cuda
+@cuda
+def test_in_place_change_of_a_saved_tensor_is_an_error_not_a_wrong_gradient():
+    from actcfg.offload import OffloadEngine
+
+    lin = nn.Linear(1024, 1024).cuda()
+    engine = OffloadEngine()
+    engine.skip_tensors_of(lin)
+    x = torch.randn(2048, 1024, device="cuda", requires_grad=True)
+    with engine.step():
+        h = x * 2
+        y = lin(h)  # saves h
+        engine.mark_group()
+        h.add_(1)  # autograd without hooks raises for this at backward
+        z = lin(y)
+        engine.mark_group()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+    engine.close()
+
+
+@pytest.mark.cuda
+@cuda
+def test_exception_in_forward_leaves_the_engine_usable():
+    from actcfg.offload import OffloadEngine
+
+    model, x = _pair()
+    _, plain_grads = _run(model, x)
+    engine = OffloadEngine()
+    engine.skip_tensors_of(model)
+    with pytest.raises(ValueError, match="boom"):
+        with engine.step():
+            model.layers[0](x)
+            engine.mark_group()
+            raise ValueError("boom")
+    # the hooks are gone: autograd saves normally outside the scope
+    y = model.layers[0](x)
+    assert y.grad_fn is not None
+    _, grads = _run(model, x, engine, model.layers)
+    for name in grads:
+        assert torch.equal(grads[name], plain_grads[name]), name
+    engine.close()
+
+
+@pytest.mark.cuda
+@cuda
+def test_out_of_memory_on_reload_names_the_setting():
+    from actcfg.offload import OffloadEngine
+
+    model, x = _pair(n=4, width=4096, rows=8192)
+    engine = OffloadEngine()
+    engine.skip_tensors_of(model)
+    handles = [m.register_forward_pre_hook(lambda *_: engine.mark_group()) for m in model.layers]
+    with engine.step():
+        out = model(x)
+    for h in handles:
+        h.remove()
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    filler = []
+    try:
+        # Fill the GPU so that only the backward of the kept group fits, not a reload.
+        chunk = 1 << 30
+        while True:
+            try:
+                filler.append(torch.empty(chunk, dtype=torch.uint8, device="cuda"))
+            except torch.cuda.OutOfMemoryError:
+                if chunk <= 1 << 20:
+                    break
+                chunk //= 2
+        with pytest.raises(OffloadError, match=r"out of GPU memory while reloading \d+ MiB .*`checkpoint.modules`"):
+            out.sum().backward()  # sum's backward allocates nothing: the reload is the first allocation
+    finally:
+        filler.clear()
+        torch.cuda.empty_cache()
+    engine.close()
