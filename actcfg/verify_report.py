@@ -1,0 +1,118 @@
+"""Render a `VerifyReport`: an aligned text table, JSON for CI, a PNG of memory per block.
+
+No torch; matplotlib is imported only by `plot_memory` (the `plot` extra).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+
+from actcfg.errors import VerifyError
+from actcfg.verify import VerifyReport, worst_grad, tolerance
+
+__all__ = ["REPORTER_BY_NAME", "plot_memory", "render_json", "render_text"]
+
+_MIB = 2**20
+
+
+def _mib(n: float) -> str:
+    return f"{n / _MIB:.1f}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms"
+
+
+def _table(rows: list[tuple[str, ...]], *, numbers: bool = True) -> list[str]:
+    """First column left-aligned, the others right-aligned (numbers) or left-aligned (text),
+    two spaces apart."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    cell = str.rjust if numbers else str.ljust
+    return [
+        "  ".join([row[0].ljust(widths[0]), *(cell(c, w) for c, w in zip(row[1:], widths[1:]))])
+        .rstrip()
+        for row in rows
+    ]
+
+
+def render_text(report: VerifyReport) -> str:
+    """Memory held per block (plain vs policy), then peak, time, host memory, gradient error,
+    then one PASS/FAIL line per promise."""
+    m = report.measurements
+    lines = [
+        f"actcfg verify: backend {report.backend}, {len(m.blocks)} blocks, {m.dtype}, "
+        f"{m.steps} step{'s' * (m.steps != 1)}",
+        "",
+        *_table([("block", "plain MiB held", "policy MiB held"),
+                 *((name, _mib(p), _mib(q))
+                   for name, p, q in zip(m.blocks, m.plain.held, m.policy.held))]),
+        "",
+    ]
+    pinned = "n/a" if m.host_pinned_bytes is None else f"{_mib(m.host_pinned_bytes)} MiB"
+    pageable = "n/a" if m.host_pageable_bytes is None else f"{_mib(m.host_pageable_bytes)} MiB"
+    worst = worst_grad(m.grads)
+    if worst is None:
+        grad = "no gradients"
+    elif worst.note is not None:
+        grad = f"{worst.name} {worst.note}"
+    else:
+        shown = "0" if worst.error == 0 else f"{worst.error:.1e} ({worst.name})"
+        grad = f"{shown} max relative, {m.dtype} tolerance {tolerance(m.dtype):.0e}"
+    change = (m.policy.peak - m.plain.peak) / m.plain.peak if m.plain.peak else math.nan
+    lines += _table([
+        ("one block input", f"{_mib(m.block_input_bytes)} MiB"),
+        ("peak", f"plain {_mib(m.plain.peak)} MiB, policy {_mib(m.policy.peak)} MiB"
+                 + ("" if math.isnan(change) else f" ({change:+.0%})")),
+        ("step time", f"plain {_ms(m.plain.step_time_s)}, policy {_ms(m.policy.step_time_s)}"
+                      f" (median of {m.steps})"),
+        ("host memory", f"pinned {pinned}, pageable {pageable}"),
+        ("gradient error", grad),
+    ], numbers=False)
+    lines.append("")
+    width = max((len(v.promise) for v in report.verdicts), default=0)
+    lines += [f"{'PASS' if v.ok else 'FAIL'}  {v.promise.ljust(width)}  {v.message}"
+              for v in report.verdicts]
+    return "\n".join(lines) + "\n"
+
+
+def render_json(report: VerifyReport) -> str:
+    """The report as indented JSON, keys in a stable order (see `VerifyReport.to_dict`)."""
+    return json.dumps(report.to_dict(), indent=2, allow_nan=False) + "\n"
+
+
+REPORTER_BY_NAME: dict[str, Callable[[VerifyReport], str]] = {
+    "json": render_json,
+    "text": render_text,
+}
+"""`--format` name -> renderer."""
+
+
+def plot_memory(report: VerifyReport, path: str | os.PathLike[str]) -> None:
+    """Write a PNG of GPU memory held after each block, plain vs policy."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise VerifyError("--plot needs matplotlib: pip install actcfg[plot]") from e
+    m = report.measurements
+    # Figure() without pyplot: no global backend state, no display needed.
+    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    x = range(len(m.blocks))
+    ax.plot(x, [b / _MIB for b in m.plain.held], marker="o", label="plain")
+    ax.plot(x, [b / _MIB for b in m.policy.held], marker="o", label="policy")
+    ax.set_xticks(list(x), list(m.blocks), rotation=45 if len(m.blocks) > 12 else 0)
+    ax.set_xlabel("block (forward order)")
+    ax.set_ylabel("GPU memory held after the block (MiB)")
+    failed = [v.promise for v in report.verdicts if not v.ok]
+    verdict = "all promises hold" if not failed else "FAILED: " + ", ".join(failed)
+    ax.set_title(f"actcfg verify ({report.backend}, {m.dtype}): {verdict}")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    try:
+        fig.savefig(os.fspath(path), format="png", dpi=120)
+    except OSError as e:
+        raise VerifyError(f"--plot: cannot write {os.fspath(path)}: {e.strerror or e}") from e

@@ -1,0 +1,473 @@
+"""verify without a GPU: verdicts from synthetic measurements, rendering, JSON, the factory
+contract, gradient comparison on CPU tensors, and the refusals. The measurement itself is in
+test_verify_cuda.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from actcfg.errors import VerifyError
+from actcfg.schema import Policy
+from actcfg.verify import (
+    GradDiff,
+    Measurements,
+    RunMeasurement,
+    Verdict,
+    VerifyReport,
+    judge,
+    load_factory,
+    verify,
+)
+from actcfg.verify_report import REPORTER_BY_NAME, plot_memory, render_json, render_text
+
+B = 262_144_000  # one block input of the seed chain: 256 x 256 x 2000 fp16
+MiB = 2**20
+NAMES = tuple(str(i) for i in range(10))
+
+
+def policy(**fields) -> Policy:
+    return Policy.model_validate({"version": 1, **fields})
+
+
+OFFLOAD = policy(checkpoint={"mode": "full", "modules": ["Linear"]}, cpu_checkpointing=True)
+CKPT = policy(checkpoint={"mode": "full", "modules": ["Linear"]})
+PLAIN = policy()
+OFFLOAD_ALL = policy(cpu_checkpointing=True)
+PARTITION = policy(backend="deepspeed", checkpoint={"mode": "full", "modules": ["Block"]},
+                   partition=True)
+
+GROWING = tuple(B * (i + 1) for i in range(10))
+FLAT = (B, *(2 * B,) * 9)
+
+
+def measured(policy_held=FLAT, *, plain_held=GROWING, plain_peak=12 * B, policy_peak=3 * B,
+             grads=(GradDiff("0.weight", 0.0), GradDiff("0.bias", 0.0)), **kw) -> Measurements:
+    return Measurements(
+        blocks=kw.pop("blocks", NAMES[: len(policy_held)]),
+        block_input_bytes=kw.pop("block_input_bytes", B),
+        plain=RunMeasurement(tuple(plain_held), plain_peak, 0.1234),
+        policy=RunMeasurement(tuple(policy_held), policy_peak, 0.2),
+        grads=tuple(grads),
+        dtype=kw.pop("dtype", "float16"),
+        **kw,
+    )
+
+
+def verdict(promise: str, pol: Policy, m: Measurements) -> Verdict:
+    (found,) = [v for v in judge(pol, m) if v.promise == promise]
+    return found
+
+
+# --- which promises a policy makes -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("pol", "promises"), [
+    (PLAIN, ["gradients"]),
+    (CKPT, ["peak", "gradients"]),
+    (OFFLOAD, ["cpu_checkpointing", "peak", "gradients"]),
+    (OFFLOAD_ALL, ["cpu_checkpointing", "peak", "gradients"]),
+    (PARTITION, ["peak", "partition", "gradients"]),
+])
+def test_promises_follow_from_the_policy(pol, promises):
+    m = measured(plain_held=GROWING, mp_size=2)
+    assert [v.promise for v in judge(pol, m)] == promises
+
+
+def test_every_promise_holds_for_a_working_offload():
+    assert judge(OFFLOAD, measured()) == [
+        Verdict("cpu_checkpointing", True,
+                "GPU memory stopped growing: 0 B per block over blocks 5 to 9 (limit 13.1 MB, "
+                "5% of one block input); 2.0 block inputs stay on the GPU"),
+        Verdict("peak", True, "the peak fell from 3.15 GB to 0.79 GB (75% lower)"),
+        Verdict("gradients", True,
+                "gradients match the plain run: max relative error 0, within the float16 "
+                "tolerance 1e-02"),
+    ]
+
+
+# --- cpu_checkpointing -------------------------------------------------------------------------
+
+
+def test_the_seed_bug_reads_as_one_block_input_per_block():
+    v = verdict("cpu_checkpointing", OFFLOAD, measured(GROWING))
+    assert v == Verdict("cpu_checkpointing", False,
+                        "cpu_checkpointing is on but GPU memory grew by 0.26 GB per block, the "
+                        "size of one block input: the offload did not take effect")
+
+
+def test_partial_growth_is_named_as_a_fraction():
+    held = tuple(B + i * B // 2 for i in range(10))
+    v = verdict("cpu_checkpointing", OFFLOAD, measured(held))
+    assert v == Verdict("cpu_checkpointing", False,
+                        "cpu_checkpointing is on but GPU memory grew by 0.13 GB per block, "
+                        "0.50x one block input: part of each block's activations stayed on the GPU")
+
+
+def test_growth_in_the_first_half_does_not_count():
+    # Offload engines keep the newest groups on the GPU: memory may rise over the first
+    # blocks, then stay flat. Only the second half (blocks 5..9) is judged.
+    held = (B, 2 * B, 3 * B, 4 * B, 5 * B, *(5 * B,) * 5)
+    assert verdict("cpu_checkpointing", OFFLOAD, measured(held)).ok
+
+
+@pytest.mark.parametrize(("per_block", "ok"), [(B // 20 - 1, True), (B // 20, False)])
+def test_flat_means_under_five_percent_of_one_block_input(per_block, ok):
+    held = tuple(B + i * per_block for i in range(10))
+    assert verdict("cpu_checkpointing", OFFLOAD, measured(held)).ok is ok
+
+
+def test_growth_is_the_mean_over_the_second_half_not_the_median_step():
+    # every other block grows by a whole input: the median step is 0, the mean is B/2
+    held = (B, B, 2 * B, 2 * B, 3 * B, 3 * B, 4 * B, 4 * B, 5 * B, 5 * B)
+    v = verdict("cpu_checkpointing", OFFLOAD, measured(held))
+    assert not v.ok
+    assert "0.13 GB per block" in v.message
+
+
+def test_too_few_blocks_cannot_show_that_memory_stops_growing():
+    m = measured(FLAT[:3], plain_held=GROWING[:3])
+    assert verdict("cpu_checkpointing", OFFLOAD, m) == Verdict(
+        "cpu_checkpointing", False,
+        "cpu_checkpointing cannot be checked on 3 blocks: it takes at least 4 to see whether "
+        "GPU memory stops growing")
+
+
+# --- peak --------------------------------------------------------------------------------------
+
+
+def test_peak_not_below_plain_fails_with_both_numbers():
+    m = measured(GROWING, policy_peak=12 * B)
+    assert verdict("peak", CKPT, m) == Verdict(
+        "peak", False,
+        "checkpointing is on but the peak was 3.15 GB, not below the plain run's 3.15 GB: the "
+        "policy freed no activation memory")
+
+
+def test_peak_of_offload_without_checkpointing_names_cpu_checkpointing():
+    m = measured(policy_peak=13 * B)
+    assert verdict("peak", OFFLOAD_ALL, m).message.startswith("cpu_checkpointing is on but the peak")
+
+
+# --- partition ---------------------------------------------------------------------------------
+
+
+def test_partition_holds_about_one_nth():
+    held = tuple(B + i * B // 2 for i in range(10))
+    assert verdict("partition", PARTITION, measured(held, mp_size=2)) == Verdict(
+        "partition", True,
+        "held checkpoint memory grew by 0.13 GB per block, 0.50 of one block input (about 1/2 "
+        "or less)")
+
+
+def test_unpartitioned_checkpoints_fail_partition():
+    assert verdict("partition", PARTITION, measured(GROWING, mp_size=4)) == Verdict(
+        "partition", False,
+        "partition is on with model-parallel size 4 but held checkpoint memory grew by 0.26 GB "
+        "per block, 1.00 of one block input instead of about 1/4: the activations were not "
+        "partitioned")
+
+
+def test_partition_without_model_parallelism_fails():
+    assert verdict("partition", PARTITION, measured(mp_size=1)) == Verdict(
+        "partition", False,
+        "partition is on but the model-parallel size is 1: it shards nothing, and DeepSpeed's "
+        "partition path corrupts gradients there")
+
+
+# --- gradients ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("dtype", "error", "ok"), [
+    ("float32", 1e-5, True), ("float32", 2e-5, False),
+    ("float16", 1e-2, True), ("float16", 1.1e-2, False),
+    ("bfloat16", 2e-2, True), ("bfloat16", 2.1e-2, False),
+])
+def test_gradient_tolerance_by_dtype(dtype, error, ok):
+    m = measured(grads=[GradDiff("0.weight", error)], dtype=dtype)
+    assert verdict("gradients", PLAIN, m).ok is ok
+
+
+def test_wrong_gradients_name_the_parameter_and_the_tolerance():
+    grads = [GradDiff("0.weight", 1e-3), GradDiff("3.weight", 1.0), GradDiff("4.weight", 1.0)]
+    m = measured(grads=grads, dtype="bfloat16")
+    assert verdict("gradients", PLAIN, m) == Verdict(
+        "gradients", False,
+        "gradients differ from the plain run: max relative error 1 in 3.weight, above the "
+        "bfloat16 tolerance 2e-02: a saved activation was lost or changed")
+
+
+def test_small_nonzero_error_is_shown_with_its_parameter():
+    m = measured(grads=[GradDiff("0.weight", 0.0), GradDiff("1.weight", 3.2e-4)])
+    assert verdict("gradients", PLAIN, m).message == (
+        "gradients match the plain run: max relative error 3.2e-04 (1.weight), within the "
+        "float16 tolerance 1e-02")
+
+
+def test_an_incomparable_gradient_fails_with_its_reason():
+    grads = [GradDiff("0.weight", 0.5), GradDiff("2.bias", math.inf, "got no gradient under the policy")]
+    assert verdict("gradients", PLAIN, measured(grads=grads)).message == (
+        "gradients differ from the plain run: 2.bias got no gradient under the policy")
+
+
+def test_no_gradients_at_all_fails():
+    assert verdict("gradients", PLAIN, measured(grads=[])).message == (
+        "gradients cannot be compared: no parameter got a gradient in either run")
+
+
+def test_judge_refuses_inconsistent_measurements():
+    with pytest.raises(VerifyError, match=r"^measurements disagree: 10 blocks but 10 plain and 9 "
+                                          r"policy readings$"):
+        judge(OFFLOAD, replace(measured(), policy=RunMeasurement(FLAT[:9], 1, 0.1)))
+    with pytest.raises(VerifyError, match=r"^one block input has no bytes"):
+        judge(OFFLOAD, measured(block_input_bytes=0))
+
+
+# --- rendering ---------------------------------------------------------------------------------
+
+
+def report(pol: Policy = OFFLOAD, m: Measurements | None = None, backend: str = "torch") -> VerifyReport:
+    m = m or measured(host_pinned_bytes=9 * B, host_pageable_bytes=0)
+    return VerifyReport(pol, backend, m, tuple(judge(pol, m)))
+
+
+def test_text_report_is_pinned():
+    assert render_text(report()) == """\
+actcfg verify: backend torch, 10 blocks, float16, 3 steps
+
+block  plain MiB held  policy MiB held
+0               250.0            250.0
+1               500.0            500.0
+2               750.0            500.0
+3              1000.0            500.0
+4              1250.0            500.0
+5              1500.0            500.0
+6              1750.0            500.0
+7              2000.0            500.0
+8              2250.0            500.0
+9              2500.0            500.0
+
+one block input  250.0 MiB
+peak             plain 3000.0 MiB, policy 750.0 MiB (-75%)
+step time        plain 123.4 ms, policy 200.0 ms (median of 3)
+host memory      pinned 2250.0 MiB, pageable 0.0 MiB
+gradient error   0 max relative, float16 tolerance 1e-02
+
+PASS  cpu_checkpointing  GPU memory stopped growing: 0 B per block over blocks 5 to 9 (limit 13.1 MB, 5% of one block input); 2.0 block inputs stay on the GPU
+PASS  peak               the peak fell from 3.15 GB to 0.79 GB (75% lower)
+PASS  gradients          gradients match the plain run: max relative error 0, within the float16 tolerance 1e-02
+"""
+
+
+def test_text_report_of_a_failure_says_na_for_unknown_host_memory():
+    m = measured(GROWING, policy_peak=12 * B, grads=[GradDiff("3.weight", 0.7)], dtype="bfloat16",
+                 blocks=tuple(f"layers.{i}" for i in range(10)))
+    text = render_text(report(OFFLOAD, m, "deepspeed"))
+    assert "host memory      pinned n/a, pageable n/a\n" in text
+    assert "gradient error   7.0e-01 (3.weight) max relative, bfloat16 tolerance 2e-02\n" in text
+    assert "layers.9          2500.0           2500.0\n" in text
+    assert text.endswith(
+        "FAIL  cpu_checkpointing  cpu_checkpointing is on but GPU memory grew by 0.26 GB per "
+        "block, the size of one block input: the offload did not take effect\n"
+        "FAIL  peak               checkpointing is on but the peak was 3.15 GB, not below the "
+        "plain run's 3.15 GB: the policy freed no activation memory\n"
+        "FAIL  gradients          gradients differ from the plain run: max relative error 0.7 in "
+        "3.weight, above the bfloat16 tolerance 2e-02: a saved activation was lost or changed\n")
+
+
+def test_json_report_shape():
+    data = json.loads(render_json(report()))
+    assert list(data) == ["ok", "backend", "policy", "dtype", "steps", "mp_size",
+                          "block_input_bytes", "blocks", "peak_bytes", "step_time_s",
+                          "host_bytes", "gradients", "verdicts"]
+    assert data["ok"] is True
+    assert data["policy"] == OFFLOAD.model_dump(mode="json")
+    assert data["blocks"][:2] == [
+        {"name": "0", "plain_held_bytes": B, "policy_held_bytes": B},
+        {"name": "1", "plain_held_bytes": 2 * B, "policy_held_bytes": 2 * B},
+    ]
+    assert {k: data[k] for k in ("backend", "dtype", "steps", "mp_size", "block_input_bytes",
+                                 "peak_bytes", "step_time_s", "host_bytes")} == {
+        "backend": "torch", "dtype": "float16", "steps": 3, "mp_size": 1,
+        "block_input_bytes": B,
+        "peak_bytes": {"plain": 12 * B, "policy": 3 * B},
+        "step_time_s": {"plain": 0.1234, "policy": 0.2},
+        "host_bytes": {"pinned": 9 * B, "pageable": 0},
+    }
+    assert data["gradients"] == {
+        "max_rel_error": 0.0, "parameter": "0.weight", "tolerance": 0.01,
+        "parameters": [{"name": "0.weight", "error": 0.0, "note": None},
+                       {"name": "0.bias", "error": 0.0, "note": None}],
+    }
+    assert [v["promise"] for v in data["verdicts"]] == ["cpu_checkpointing", "peak", "gradients"]
+    assert set(data["verdicts"][0]) == {"promise", "ok", "message"}
+
+
+def test_json_writes_null_for_a_non_finite_error():
+    m = measured(grads=[GradDiff("w", math.inf, "has a non-finite gradient under the policy")])
+    data = json.loads(render_json(report(PLAIN, m)))
+    assert data["ok"] is False
+    assert data["gradients"]["max_rel_error"] is None
+    assert data["gradients"]["parameters"] == [
+        {"name": "w", "error": None, "note": "has a non-finite gradient under the policy"}]
+
+
+def test_reporters_by_name():
+    assert REPORTER_BY_NAME == {"json": render_json, "text": render_text}
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "memory.png"
+    plot_memory(report(), path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(VerifyError, match=r"^--plot needs matplotlib: pip install actcfg\[plot\]$"):
+        plot_memory(report(), tmp_path / "memory.png")
+
+
+# --- the factory and inputs --------------------------------------------------------------------
+
+
+def test_load_factory_finds_a_dotted_attribute():
+    assert load_factory("actcfg.verify:VerifyReport.to_dict") is VerifyReport.to_dict
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("actcfg.probes", "--model 'actcfg.probes': write it as pkg.module:factory (for example "
+                      "actcfg.probes:linear_chain)"),
+    (":linear_chain", "--model ':linear_chain': write it as pkg.module:factory (for example "
+                      "actcfg.probes:linear_chain)"),
+    ("actcfg.nowhere:f", "--model 'actcfg.nowhere:f': cannot import actcfg.nowhere: No module "
+                         "named 'actcfg.nowhere'"),
+    ("actcfg.verify:nothing", "--model 'actcfg.verify:nothing': actcfg.verify has no attribute "
+                              "'nothing'"),
+    ("actcfg.verify:DEFAULT_MODEL", "--model 'actcfg.verify:DEFAULT_MODEL': DEFAULT_MODEL is a "
+                                    "str, not a callable factory returning (model, "
+                                    "example_inputs)"),
+])
+def test_load_factory_refusals(spec, message):
+    with pytest.raises(VerifyError) as e:
+        load_factory(spec)
+    assert str(e.value) == message
+
+
+def test_the_factory_contract():
+    torch = pytest.importorskip("torch")
+    from actcfg.verify import _build, _split_inputs
+
+    x = torch.ones(2, 3)
+
+    class WithAttribute(torch.nn.Linear):
+        example_inputs = (x,)
+
+    class WithMethod(torch.nn.Linear):
+        def example_inputs(self):
+            return {"input": x}
+
+    model = torch.nn.Linear(3, 3)
+    assert _build(lambda: (model, x)) == (model, x)
+    assert _build(lambda: WithAttribute(3, 3))[1] == (x,)
+    assert _build(lambda: WithMethod(3, 3))[1] == {"input": x}
+    assert _split_inputs(x) == ((x,), {})
+    assert _split_inputs([x, 1]) == ((x, 1), {})
+    assert _split_inputs({"input": x}) == ((), {"input": x})
+    with pytest.raises(VerifyError, match=r"^the model factory returned a Linear: return \(model, "
+                                          r"example_inputs\), or a model with an `example_inputs` "
+                                          r"attribute or method$"):
+        _build(lambda: torch.nn.Linear(3, 3))
+    with pytest.raises(VerifyError, match=r"^the model factory returned a str as the model, not a "
+                                          r"torch.nn.Module$"):
+        _build(lambda: ("model", x))
+    with pytest.raises(VerifyError, match=r"^example inputs are a int: give a tensor"):
+        _split_inputs(3)
+
+
+# --- gradient comparison and dtype, on CPU tensors ---------------------------------------------
+
+
+def _pair(torch):
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4, bias=False))
+    b = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4, bias=False))
+    b.load_state_dict(a.state_dict())
+    for p, q in zip(a.parameters(), b.parameters()):
+        p.grad = torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape) + 1
+        q.grad = p.grad.clone()
+    return a, b
+
+
+def test_grad_diffs_are_max_abs_error_over_max_abs_plain():
+    torch = pytest.importorskip("torch")
+    from actcfg.verify import _grad_diffs
+
+    a, b = _pair(torch)
+    b[0].weight.grad[0, 0] += 8.0  # plain max |g| of 0.weight is 16
+    b[0].bias.grad = None
+    b[1].weight.grad[1, 1] = float("nan")
+    assert _grad_diffs(a, b) == (
+        GradDiff("0.weight", 0.5),
+        GradDiff("0.bias", math.inf, "got no gradient under the policy"),
+        GradDiff("1.weight", math.inf, "has a non-finite gradient under the policy"),
+    )
+
+
+def test_equal_gradients_have_zero_error():
+    torch = pytest.importorskip("torch")
+    from actcfg.verify import _grad_diffs
+
+    a, b = _pair(torch)
+    assert [g.error for g in _grad_diffs(a, b)] == [0.0, 0.0, 0.0]
+
+
+def test_dtype_is_the_loosest_of_parameters_and_inputs():
+    torch = pytest.importorskip("torch")
+    from actcfg.verify import _loosest_dtype
+
+    model = torch.nn.Linear(2, 2)
+    assert _loosest_dtype(model, ((torch.ones(2),), {})) == "float32"
+    assert _loosest_dtype(model, ((torch.ones(2, dtype=torch.bfloat16),), {})) == "bfloat16"
+    assert _loosest_dtype(model.half(), ((torch.ones(2, dtype=torch.long),), {})) == "float16"
+
+
+def test_default_loss_is_nonlinear_in_the_output():
+    torch = pytest.importorskip("torch")
+    from actcfg.verify import default_loss
+
+    out = torch.tensor([1.0, -2.0], dtype=torch.float16)
+    loss = default_loss((out, "aux"))
+    assert loss.dtype == torch.float32 and loss.item() == 5.0
+
+
+# --- refusals ------------------------------------------------------------------------------------
+
+
+def test_verify_refuses_without_a_gpu():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(VerifyError, match=r"^actcfg verify measures GPU memory and needs a CUDA "
+                                          r"GPU, but torch.cuda.is_available\(\) is False here: "
+                                          r"run it on a GPU machine$"):
+        verify(lambda: None, OFFLOAD)
+
+
+def test_verify_refuses_zero_steps():
+    with pytest.raises(VerifyError, match=r"^steps must be at least 1, got 0$"):
+        verify(lambda: None, OFFLOAD, steps=0)
+
+
+def test_judging_and_rendering_import_no_torch():
+    code = ("import sys, actcfg.verify, actcfg.verify_report; "
+            "print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout == "False\n"
