@@ -1,0 +1,472 @@
+"""actcfg.apply on the CPU with real torch: wrapping, names, gradients, recompute, remove, errors."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from actcfg.errors import PolicyApplyError
+from actcfg.probes import Block, blocks, linear_chain
+from actcfg.runtime import AppliedPolicy, apply, select_modules
+
+COMPOSABLE = "torch.distributed._composable.checkpoint"
+REENTRANT = "torch.utils.checkpoint.checkpoint(use_reentrant=True)"
+SELECTIVE = ("torch.utils.checkpoint.checkpoint(use_reentrant=False, "
+             "context_fn=create_selective_checkpoint_contexts)")
+
+# name -> (checkpoint section without modules, the api the handle reports)
+MODES = {
+    "full": ({"mode": "full"}, COMPOSABLE),
+    "reentrant": ({"mode": "full", "reentrant": True}, REENTRANT),
+    "selective": ({"mode": "selective"}, SELECTIVE),
+    "every2": ({"mode": "full", "every": 2}, COMPOSABLE),
+}
+
+
+def policy(mode: str, modules: list[str]) -> dict:
+    return {"version": 1, "checkpoint": {**MODES[mode][0], "modules": modules}}
+
+
+def small_blocks(n: int = 4) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return blocks(n=n, d_model=32, heads=4, ffn=64, batch=2, seq=8, dtype=torch.float32, device="cpu")
+
+
+def small_chain(n: int = 4) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return linear_chain(n=n, width=16, shape=(8,), dtype=torch.float32, device="cpu")
+
+
+def step(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One forward+backward; the gradients by parameter name."""
+    model.zero_grad(set_to_none=True)
+    model(x).square().mean().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def names(model: nn.Module) -> tuple:
+    return ([n for n, _ in model.named_modules()], [n for n, _ in model.named_parameters()],
+            list(model.state_dict()))
+
+
+def module_state(model: nn.Module) -> list:
+    """Everything apply may touch on each module: __dict__ keys and the four hook tables."""
+    return [(n, sorted(m.__dict__), list(m._forward_pre_hooks), list(m._forward_hooks),
+             dict(m._forward_hooks_always_called), dict(m._forward_pre_hooks_with_kwargs))
+            for n, m in model.named_modules()]
+
+
+# --- wrapping ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_wraps_selected_modules_with_the_reported_api(mode):
+    model, _ = small_blocks()
+    handle = apply(model, policy(mode, ["Block"]))
+    want = ("blocks.1", "blocks.3") if mode == "every2" else tuple(f"blocks.{i}" for i in range(4))
+    assert handle.checkpointed == want
+    assert handle.checkpoint_api == MODES[mode][1]
+    assert isinstance(handle, AppliedPolicy) and not handle.removed
+    for name, module in model.named_modules():
+        wrapped = name in want
+        assert ("_actcfg_wrapped" in module.__dict__) == wrapped, name
+        if MODES[mode][1] == COMPOSABLE:
+            assert bool(module._forward_pre_hooks) == wrapped, name
+            assert "forward" not in module.__dict__
+        else:
+            assert ("forward" in module.__dict__) == wrapped, name
+
+
+def test_every_counts_matches_in_module_order():
+    model, _ = small_chain(6)
+    cfg = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Linear"], "every": 3}}
+    assert apply(model, cfg).checkpointed == ("2", "5")
+
+
+def test_qualified_name_star_does_not_cross_dots():
+    model, _ = small_blocks(2)
+    assert [n for n, _ in select_modules(model, ("blocks.*",), 1)] == ["blocks.0", "blocks.1"]
+    assert [n for n, _ in select_modules(model, ("blocks.*.fc?",), 1)] == [
+        "blocks.0.fc1", "blocks.0.fc2", "blocks.1.fc1", "blocks.1.fc2"]
+
+
+def test_summary_is_logged_once(caplog):
+    model, _ = small_blocks(2)
+    with caplog.at_level(logging.INFO, logger="actcfg"):
+        handle = apply(model, policy("full", ["Block"]))
+    lines = [r.getMessage() for r in caplog.records if r.name == "actcfg"]
+    assert lines == [handle.summary()]
+    assert handle.summary() == (
+        "actcfg: backend torch; full checkpointing of 2 modules (blocks.0, blocks.1) "
+        "via torch.distributed._composable.checkpoint"
+    )
+
+
+def test_report_is_plain_data():
+    model, _ = small_blocks(2)
+    handle = apply(model, policy("selective", ["Block"]))
+    report = handle.report()
+    assert report["backend"] == "torch"
+    assert report["checkpoint"]["modules"] == ["blocks.0", "blocks.1"]
+    assert report["checkpoint"]["save_ops"][0] == "aten.mm"
+    assert report["offload"] is None and report["deepspeed"] is None
+
+
+def test_cfg_can_be_yaml_text_or_policy_object():
+    from actcfg.checker import load
+
+    text = "version: 1\ncheckpoint:\n  mode: full\n  modules: [Block]\n"
+    a, _ = small_blocks(2)
+    b, _ = small_blocks(2)
+    assert apply(a, text).checkpointed == apply(b, load(text)).checkpointed == ("blocks.0", "blocks.1")
+
+
+# --- names, state_dict, optimizer ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_names_state_dict_and_optimizer_groups_unchanged(mode):
+    model, _ = small_blocks()
+    before = names(model)
+    opt = torch.optim.AdamW(model.parameters())
+    groups = [[id(p) for p in g["params"]] for g in opt.param_groups]
+    handle = apply(model, policy(mode, ["Block"]))
+    assert names(model) == before
+    assert [[id(p) for p in g["params"]] for g in torch.optim.AdamW(model.parameters()).param_groups] == groups
+    handle.remove()
+    assert names(model) == before
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_state_dict_round_trips_with_and_without_actcfg(mode):
+    plain, x = small_blocks()
+    applied = copy.deepcopy(plain)
+    with torch.no_grad():
+        for p in applied.parameters():
+            p.add_(1.0)
+    apply(applied, policy(mode, ["Block"]))
+    fresh = copy.deepcopy(plain)
+    fresh.load_state_dict(applied.state_dict(), strict=True)  # saved with actcfg, loaded without
+    torch.testing.assert_close(fresh(x), applied(x), rtol=0, atol=0)
+    applied.load_state_dict(plain.state_dict(), strict=True)  # saved without, loaded with
+    torch.testing.assert_close(applied(x), plain(x), rtol=0, atol=0)
+
+
+# --- gradients and recompute ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("probe", [small_blocks, small_chain])
+def test_gradients_identical_to_plain_model(mode, probe):
+    model, x = probe()
+    plain = copy.deepcopy(model)
+    pattern = "Block" if probe is small_blocks else "Linear"
+    apply(model, policy(mode, [pattern]))
+    want = step(plain, x)
+    got = step(model, x)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name  # CPU fp32: bitwise
+    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+
+
+def block_flops(d: int, ffn: int, tokens: int) -> dict[str, int]:
+    """Forward matmul FLOPs of one `Block` by layer (FlopCounterMode counts 2*m*n*k)."""
+    return {"qkv": 2 * tokens * d * 3 * d, "proj": 2 * tokens * d * d,
+            "fc1": 2 * tokens * d * ffn, "fc2": 2 * tokens * ffn * d}
+
+
+def count_flops(model: nn.Module, x: torch.Tensor) -> int:
+    with FlopCounterMode(display=False) as counter:
+        model(x).square().sum().backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize(("mode", "recomputed"), [
+    # Non-reentrant checkpoint stops recomputing once the last saved tensor is regenerated
+    # (early_stop): fc2's saved input is GELU's output, so fc2 itself is never rerun.
+    ("full", ("qkv", "proj", "fc1")),
+    ("every2", ("qkv", "proj", "fc1")),
+    ("reentrant", ("qkv", "proj", "fc1", "fc2")),
+    # The default save list keeps every matmul output: nothing with FLOPs is recomputed.
+    ("selective", ()),
+])
+def test_recompute_costs_exactly_the_recomputed_forward(mode, recomputed):
+    model, x = small_blocks()
+    x.requires_grad_()  # so that plain and reentrant runs both compute the input gradient
+    plain = count_flops(copy.deepcopy(model), x)
+    handle = apply(model, policy(mode, ["Block"]))
+    per_block = block_flops(32, 64, 2 * 8)
+    extra = len(handle.checkpointed) * sum(per_block[k] for k in recomputed)
+    assert count_flops(model, x) == plain + extra
+
+
+def test_selective_with_a_narrower_save_list_recomputes_what_is_not_saved():
+    model, x = small_blocks()
+    x.requires_grad_()
+    plain = count_flops(copy.deepcopy(model), x)
+    cfg = {"version": 1, "checkpoint": {"mode": "selective", "modules": ["Block"], "save_ops": ["aten.mm"]}}
+    apply(model, cfg)  # nn.Linear with a bias runs aten.addmm: not saved, so recomputed
+    per_block = block_flops(32, 64, 16)
+    assert count_flops(model, x) == plain + 4 * (per_block["qkv"] + per_block["proj"] + per_block["fc1"])
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_no_grad_and_eval_forwards_do_not_recompute(mode):
+    model, x = small_blocks()
+    plain = copy.deepcopy(model)
+    apply(model, policy(mode, ["Block"]))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+    model.eval()
+    plain.eval()
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(x)
+    with torch.no_grad(), FlopCounterMode(display=False) as plain_counter:
+        plain(x)
+    assert counter.get_total_flops() == plain_counter.get_total_flops()
+
+
+# --- copies ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_deepcopy_is_independent_and_uses_its_own_weights(mode):
+    model, x = small_blocks()
+    apply(model, policy(mode, ["Block"]))
+    reference = copy.deepcopy(model)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    # The copy's checkpointed forward runs on the copy's weights, recompute included...
+    expected = small_blocks()[0]
+    expected.load_state_dict(twin.state_dict())
+    torch.testing.assert_close(twin(x), expected(x), rtol=0, atol=0)
+    assert step(twin, x).keys() == step(expected, x).keys()
+    for (n, g), (_, w) in zip(step(twin, x).items(), step(expected, x).items()):
+        assert torch.equal(g, w), n
+    # ...and the original still computes with its own.
+    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+    for (n, g), (_, w) in zip(step(model, x).items(), step(reference, x).items()):
+        assert torch.equal(g, w), n
+    assert all(p.grad is None or not torch.equal(p.grad, q.grad)
+               for p, q in zip(model.parameters(), twin.parameters()) if p.grad is not None)
+
+
+def test_a_copy_of_an_applied_model_cannot_be_applied_again():
+    model, _ = small_blocks(2)
+    apply(model, policy("reentrant", ["Block"]))
+    twin = copy.deepcopy(model)
+    with pytest.raises(PolicyApplyError, match=r"^the model already carries an actcfg policy"):
+        apply(twin, policy("full", ["Block"]))
+
+
+# --- apply twice, remove -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_applying_twice_is_an_error_and_wraps_nothing_more(mode):
+    model, x = small_blocks()
+    handle = apply(model, policy(mode, ["Block"]))
+    state = module_state(model)
+    with pytest.raises(PolicyApplyError) as info:
+        apply(model, policy(mode, ["Block"]))
+    assert str(info.value) == (
+        f"the model already carries an actcfg policy ({handle.summary()}); call remove() on the "
+        "handle apply() returned before applying again (a copy.deepcopy of an applied model "
+        "carries the policy with it)"
+    )
+    assert module_state(model) == state
+
+
+def test_applying_to_a_submodule_of_an_applied_model_is_an_error():
+    model, _ = small_blocks(2)
+    apply(model, policy("full", ["Block"]))
+    with pytest.raises(PolicyApplyError, match=r"^`fc1` already carries an actcfg policy|^the model already"):
+        apply(model.blocks[0], policy("full", ["Linear"]))
+
+
+def test_torch_composable_checkpoint_already_applied_is_refused():
+    from torch.distributed._composable import checkpoint
+
+    model, _ = small_blocks(2)
+    checkpoint(model.blocks[0])
+    with pytest.raises(PolicyApplyError, match=r"^`blocks\.0` is already checkpointed by "
+                       r"torch\.distributed\._composable\.checkpoint; "):
+        apply(model, policy("full", ["Block"]))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_remove_restores_every_module_exactly(mode):
+    model, x = small_blocks()
+    before = module_state(model)
+    plain = copy.deepcopy(model)
+    with apply(model, policy(mode, ["Block"])) as handle:
+        assert module_state(model) != before
+    assert handle.removed
+    assert module_state(model) == before
+    handle.remove()  # idempotent
+    x.requires_grad_()
+    assert count_flops(model, x) == count_flops(plain, x)  # nothing is recomputed any more
+    again = apply(model, policy(mode, ["Block"]))  # and a policy can be applied afresh
+    assert again.checkpointed
+
+
+def test_an_instance_forward_set_before_apply_is_wrapped_and_restored():
+    model, x = small_blocks(2)
+    block = model.blocks[0]
+    calls = []
+
+    def spy(inp):
+        calls.append(inp.shape)
+        return Block.forward(block, inp)
+
+    block.forward = spy
+    handle = apply(model, policy("reentrant", ["Block"]))
+    step(model, x)
+    assert len(calls) == 2  # forward, then the recompute in backward
+    handle.remove()
+    assert block.forward is spy
+
+
+# --- errors ------------------------------------------------------------------------------
+
+
+def test_pattern_matching_nothing_names_it_and_what_exists():
+    model, _ = small_blocks(2)
+    with pytest.raises(PolicyApplyError) as info:
+        apply(model, policy("full", ["Block", "TransformerLayer"]))
+    assert str(info.value) == (
+        "checkpoint.modules: pattern 'TransformerLayer' matches no module of BlockStack; "
+        "class names here: Block, BlockStack, LayerNorm, Linear, ModuleList; "
+        "qualified names: blocks, blocks.0, blocks.0.norm1, blocks.0.qkv, blocks.0.proj, "
+        "blocks.0.norm2, ..."
+    )
+    assert module_state(model) == module_state(small_blocks(2)[0])
+
+
+def test_nested_matches_are_refused():
+    model, _ = small_blocks(2)
+    with pytest.raises(PolicyApplyError) as info:
+        apply(model, policy("full", ["Block", "Linear"]))
+    assert str(info.value) == (
+        "checkpoint.modules: `blocks.0` (Block) and its submodule `blocks.0.qkv` (Linear) are "
+        "both matched: nested checkpointing recomputes the inner module twice; narrow the "
+        "patterns so that only one of them matches"
+    )
+
+
+def test_a_container_without_forward_is_refused():
+    model, _ = small_blocks(2)
+    with pytest.raises(PolicyApplyError) as info:
+        apply(model, policy("full", ["blocks"]))
+    assert str(info.value) == (
+        "checkpoint.modules: `blocks` (ModuleList) has no forward of its own (a container); "
+        "checkpoint its children instead, such as `blocks.*`"
+    )
+
+
+def test_unknown_save_op_is_refused():
+    model, _ = small_blocks(2)
+    cfg = {"version": 1, "checkpoint": {"mode": "selective", "modules": ["Block"],
+                                        "save_ops": ["aten.mm", "aten.not_an_op"]}}
+    with pytest.raises(PolicyApplyError) as info:
+        apply(model, cfg)
+    assert str(info.value) == (
+        f"checkpoint.save_ops: 'aten.not_an_op' is not an op torch {torch.__version__} knows; "
+        "write `namespace.op` or `namespace.op.overload`, such as `aten.mm` (see torch.ops.aten)"
+    )
+
+
+def test_save_op_resolves_to_every_overload_or_the_named_one():
+    from actcfg.runtime import resolve_ops
+
+    assert set(resolve_ops(("aten.mm",))) == {getattr(torch.ops.aten.mm, o) for o in torch.ops.aten.mm.overloads()}
+    assert torch.ops.aten.mm.default in resolve_ops(("aten.mm",))
+    assert resolve_ops(("aten.mm.out",)) == [torch.ops.aten.mm.out]
+
+
+def test_bad_backend_and_mpu_with_torch_are_refused():
+    model, _ = small_blocks(2)
+    with pytest.raises(PolicyApplyError, match=r"^backend='jax' is not a backend: use one of 'deepspeed', 'torch'$"):
+        apply(model, policy("full", ["Block"]), backend="jax")
+    with pytest.raises(PolicyApplyError, match=r"^mpu= is for the deepspeed backend"):
+        apply(model, policy("full", ["Block"]), mpu=object())
+    assert module_state(model) == module_state(small_blocks(2)[0])
+
+
+def test_not_a_module_is_refused():
+    with pytest.raises(PolicyApplyError, match=r"^apply\(\) needs a torch\.nn\.Module, got dict$"):
+        apply({}, policy("full", ["Block"]))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the CPU-only refusal")
+@pytest.mark.parametrize("ckpt", [{"mode": "none"}, {"mode": "full", "modules": ["Block"]}])
+def test_cpu_offload_without_cuda_is_a_clear_error(ckpt):
+    model, _ = small_blocks(2)
+    before = module_state(model)
+    with pytest.raises(PolicyApplyError) as info:
+        apply(model, {"version": 1, "checkpoint": ckpt, "cpu_checkpointing": True})
+    assert str(info.value) == (
+        "cpu_checkpointing: true needs a CUDA GPU (activations are offloaded from GPU memory to "
+        "the host), and torch sees none here; set `cpu_checkpointing: false` to run on the CPU"
+    )
+    assert module_state(model) == before
+
+
+def test_reentrant_refuses_tensor_keyword_arguments_at_call_time():
+    class Takes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * scale
+
+    outer = nn.Sequential(Takes())
+    apply(outer, policy("reentrant", ["Takes"]))
+    with pytest.raises(PolicyApplyError, match=r"^checkpoint\.reentrant: Takes was called with tensor keyword"):
+        outer[0](torch.randn(2, 4), scale=torch.ones(1))
+
+
+# --- faults ------------------------------------------------------------------------------
+
+
+class Flaky(nn.Module):
+    """A block that raises on demand, in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            raise RuntimeError("boom")
+        return torch.relu(self.lin(x))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_an_exception_in_forward_leaves_the_next_step_working(mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(Flaky(), Flaky(), Flaky(), Flaky())
+    x = torch.randn(8, 16)
+    plain = copy.deepcopy(model)
+    before = module_state(model)
+    handle = apply(model, policy(mode, ["Flaky"]))
+    model[2].fail = True
+    with pytest.raises(RuntimeError, match="^boom$"):
+        step(model, x)
+    model[2].fail = False
+    want, got = step(plain, x), step(model, x)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    handle.remove()
+    assert module_state(model) == before
