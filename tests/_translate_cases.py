@@ -8,8 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from actcfg.schema import Policy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,10 +57,9 @@ def case_policies() -> dict[str, Policy]:
 
 def config_policies() -> dict[str, Policy]:
     """Every file in configs/ (whatever is there now), by file stem."""
-    out: dict[str, Policy] = {}
-    for path in sorted((ROOT / "configs").glob("*.y*ml")):
-        out[path.stem] = Policy.model_validate(yaml.safe_load(path.read_text(encoding="utf-8")))
-    return out
+    import actcfg
+
+    return {path.stem: actcfg.load(path) for path in sorted((ROOT / "configs").glob("*.y*ml"))}
 
 
 def golden_names() -> dict[str, Policy]:

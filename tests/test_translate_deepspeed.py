@@ -31,9 +31,9 @@ FIELDS = ["partition", "contiguous", "num_checkpoints", "cpu_checkpointing", "sy
 
 
 def _ds_ok() -> dict[str, Policy]:
-    """Case policies that DeepSpeed can express."""
+    """Case policies and configs/ files that DeepSpeed can express."""
     out = {}
-    for name, policy in case_policies().items():
+    for name, policy in golden_names().items():
         try:
             to_deepspeed(policy)
         except TranslationError:
@@ -49,6 +49,24 @@ def test_ds_ok_covers_every_setting() -> None:
     """The parametrized DeepSpeed cases turn every one of the six settings on somewhere."""
     for name in FIELDS:
         assert any(getattr(p, name) not in (False, None) for p in DS_OK.values()), name
+
+
+def test_translators_import_no_torch() -> None:
+    """The translate path stays light: no torch, no deepspeed, even after translating."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, actcfg.translate as t\n"
+        "from actcfg.schema import Policy\n"
+        "p = Policy.model_validate({'version': 1, 'checkpoint': {'mode': 'full', 'modules': ['B']},"
+        " 'cpu_checkpointing': True})\n"
+        "t.translate(p, 'deepspeed'); t.translate(p, 'torch')\n"
+        "t.import_ds_config({'activation_checkpointing': {'cpu_checkpointing': True}})\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout == "[]\n"
 
 
 # --- the table --------------------------------------------------------------------------

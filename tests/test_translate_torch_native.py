@@ -41,7 +41,22 @@ def _plans() -> dict[str, WrapPlan]:
 
 
 PLANS = _plans()
-CKPT_PLANS = {n: p for n, p in PLANS.items() if p.checkpoint is not None}
+
+
+def _all_checkpoint_plans() -> dict[str, WrapPlan]:
+    """Cases and configs/ files whose torch plan checkpoints something."""
+    out = {}
+    for name, policy in golden_names().items():
+        try:
+            plan = to_torch_native(policy)
+        except TranslationError:
+            continue
+        if plan.checkpoint is not None:
+            out[name] = plan
+    return out
+
+
+CKPT_PLANS = _all_checkpoint_plans()
 
 
 def _resolve(dotted: str):
