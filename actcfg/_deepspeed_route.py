@@ -1,0 +1,226 @@
+"""The deepspeed backend of `apply`: configure DeepSpeed's activation checkpointing, check its
+state, and route the selected modules through `deepspeed.checkpointing.checkpoint`.
+
+DeepSpeed keeps these settings in module globals (one policy per process), so the state before
+`configure` is saved and put back by `remove()` when the last live DeepSpeed policy goes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from actcfg.errors import PolicyApplyError, TranslationError
+from actcfg.schema import Policy
+
+# configure() kwarg -> the global of deepspeed/runtime/activation_checkpointing/checkpointing.py
+# it sets (ckpt.py:1202-1226).
+GLOBAL_BY_KWARG = {
+    "partition_activations": "PARTITION_ACTIVATIONS",
+    "contiguous_checkpointing": "CONTIGUOUS_CHECKPOINTING",
+    "num_checkpoints": "num_layers",
+    "checkpoint_in_cpu": "CPU_CHECKPOINT",
+    "synchronize": "SYNCHRONIZE",
+    "profile": "PROFILE_TIME",
+}
+# Everything configure() may change, saved before it and restored by remove().
+_STATE = (*GLOBAL_BY_KWARG.values(), "mpu", "mp_rank", "mp_size", "mp_group",
+          "deepspeed_checkpointing_enabled")
+
+# Live DeepSpeed policies in this process: [(configure kwargs, mpu, saved state)].
+_LIVE: list[tuple[dict[str, Any], Any, dict[str, Any]]] = []
+
+
+def _deepspeed() -> Any:
+    try:
+        from deepspeed.runtime.activation_checkpointing import checkpointing
+    except ImportError as e:
+        raise PolicyApplyError(
+            "the deepspeed backend needs DeepSpeed, which is not installed: run "
+            "`pip install actcfg[deepspeed]`, or set `backend: torch`"
+        ) from e
+    return checkpointing
+
+
+def model_parallel_size(mpu: Any) -> int:
+    """The model-parallel world size DeepSpeed will read from `mpu` (1 without one)."""
+    if mpu is None:
+        return 1
+    for prefix in ("get_tensor_model_parallel_", "get_model_parallel_"):
+        if all(callable(getattr(mpu, prefix + f, None)) for f in ("rank", "world_size", "group")):
+            return int(getattr(mpu, prefix + "world_size")())
+    raise PolicyApplyError(
+        f"mpu={type(mpu).__name__!r} has neither get_tensor_model_parallel_rank/world_size/group "
+        "nor get_model_parallel_rank/world_size/group, which DeepSpeed reads; pass DeepSpeed's "
+        "mpu object, or actcfg.runtime.mpu_from_group(process_group)"
+    )
+
+
+def _as_mpu(mpu: Any) -> Any:
+    import torch.distributed as dist
+
+    if mpu is not None and dist.is_available() and isinstance(mpu, dist.ProcessGroup):
+        from actcfg.runtime import mpu_from_group
+
+        return mpu_from_group(mpu)
+    return mpu
+
+
+def apply(model: nn.Module, policy: Policy, handle: Any, mpu: Any) -> None:
+    """Configure DeepSpeed for `policy`, verify its state and route the selected modules."""
+    from actcfg.runtime import select_modules
+    from actcfg.translate import to_deepspeed
+
+    ckpt = _deepspeed()
+    try:
+        section = to_deepspeed(policy)
+    except TranslationError as e:
+        raise PolicyApplyError(str(e)) from e
+    kwargs = dict(section["configure_kwargs"])
+    route = section["route"]
+    mpu = _as_mpu(mpu)
+    mp_size = model_parallel_size(mpu)
+    if kwargs["partition_activations"] and mp_size <= 1:
+        raise PolicyApplyError(
+            "partition: true needs a model-parallel group larger than one, and "
+            + ("no mpu= was given" if mpu is None else f"mpu= has model-parallel size {mp_size}")
+            + ": DeepSpeed would shard nothing, and on one GPU its partition path returned wrong "
+            "gradients (BACKENDS.md section 7); pass mpu= with model-parallel size > 1, "
+            "or set `partition: false`"
+        )
+    # checkpoint.mode none: nothing is routed, but DeepSpeed is still configured explicitly
+    # (to its defaults), so its state is known rather than whatever an earlier caller left.
+    selected = [] if route is None else select_modules(model, tuple(route["modules"]), route["every"])
+    if kwargs["contiguous_checkpointing"] and kwargs["num_checkpoints"] < len(selected):
+        raise PolicyApplyError(
+            f"num_checkpoints: {kwargs['num_checkpoints']} is fewer than the {len(selected)} "
+            "modules routed through deepspeed.checkpointing.checkpoint (DeepSpeed's contiguous "
+            f"buffers would fail with IndexError); set `num_checkpoints: {len(selected)}` or more"
+        )
+    import deepspeed.comm as dist
+
+    if not dist.is_initialized():
+        raise PolicyApplyError(
+            "the deepspeed backend needs torch.distributed initialised before apply "
+            "(deepspeed.checkpointing.configure calls dist.get_rank()): call "
+            "deepspeed.init_distributed() or deepspeed.initialize() first, even on one GPU"
+        )
+    for live_kwargs, live_mpu, _ in _LIVE:
+        if live_kwargs != kwargs or live_mpu is not mpu:
+            raise PolicyApplyError(
+                "another DeepSpeed policy is live in this process with different settings "
+                f"({_describe(live_kwargs)}); DeepSpeed keeps one activation-checkpointing "
+                "configuration per process: remove() the other policy first"
+            )
+
+    saved = {name: getattr(ckpt, name) for name in _STATE}
+    entry = (kwargs, mpu, saved)
+    ckpt.configure(mpu, **kwargs)
+    _LIVE.append(entry)
+    handle._undo.append(lambda: _restore(entry))
+    state = read_back(ckpt)
+    differ = {k: (v, state[k]) for k, v in kwargs.items() if state[k] != v}
+    if not ckpt.is_configured():
+        differ["is_configured()"] = (True, False)
+    if ckpt.mp_size != mp_size:
+        differ["model-parallel size"] = (mp_size, ckpt.mp_size)
+    if differ:
+        raise PolicyApplyError(
+            "DeepSpeed's activation-checkpointing state after configure() differs from the "
+            "policy: " + "; ".join(f"{k}: wanted {w!r}, DeepSpeed has {h!r}" for k, (w, h) in differ.items())
+        )
+
+    from actcfg.runtime import _override_forward
+
+    forward = _DeepSpeedForward()
+    for name, module in selected:
+        _override_forward(handle, name, module, forward, "routed through deepspeed.checkpointing.checkpoint")
+    handle.checkpointed = tuple(n for n, _ in selected)
+    handle.checkpoint_api = "deepspeed.checkpointing.checkpoint"
+    handle.deepspeed = {
+        "configure_kwargs": kwargs,
+        "state": {**state, "is_configured": ckpt.is_configured(), "mp_size": ckpt.mp_size},
+        "mpu": None if mpu is None else repr(mpu),
+        "input_guard": "checkpointed modules receive fresh aliases of their tensor inputs",
+    }
+
+
+def read_back(ckpt: Any) -> dict[str, Any]:
+    """DeepSpeed's activation-checkpointing globals, keyed by configure() kwarg."""
+    return {kwarg: getattr(ckpt, name) for kwarg, name in GLOBAL_BY_KWARG.items()}
+
+
+def _describe(kwargs: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+
+
+def _restore(entry: tuple[dict[str, Any], Any, dict[str, Any]]) -> None:
+    ckpt = _deepspeed()
+    index = next(i for i, e in enumerate(_LIVE) if e is entry)
+    del _LIVE[index]
+    if index == 0 and _LIVE:
+        # A later policy with the same settings is still live: it inherits the state to restore.
+        later = _LIVE[0]
+        _LIVE[0] = (later[0], later[1], entry[2])
+        return
+    if not _LIVE:
+        ckpt.reset()
+        for name, value in entry[2].items():
+            setattr(ckpt, name, value)
+
+
+class _Alias(torch.autograd.Function):
+    """A new tensor object on the same storage, with gradients passed straight through.
+
+    Unlike `x.view_as(x)`, it is not a view, so it holds no reference to `x` and DeepSpeed's
+    `arg.data = torch.empty([])` frees the storage once the caller lets go of `x`.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def fresh_alias(value: Any) -> Any:
+    """What DeepSpeed may empty in place instead of the caller's tensor."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.requires_grad and torch.is_grad_enabled():
+        return _Alias.apply(value)
+    return value.detach()
+
+
+class _DeepSpeedForward:
+    """A module's forward run under `deepspeed.checkpointing.checkpoint`.
+
+    With partition or cpu checkpointing, DeepSpeed empties the tensors passed to checkpoint()
+    after it returns (`arg.data = torch.empty([])`, ckpt.py:456/491/545), so a caller computing
+    `x + block(x)` would silently add garbage (BACKENDS.md 1.4). Every tensor argument is passed
+    as a fresh alias, so only the alias is emptied and the caller's tensor keeps its values.
+    Bound with `types.MethodType`: `copy.deepcopy` rebinds it to the copy.
+    """
+
+    def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        from actcfg.runtime import grad_path, inner_forward
+
+        fn = inner_forward(module)
+        if not torch.is_grad_enabled():
+            # No graph, nothing to recompute: DeepSpeed would only copy (and, with contiguous
+            # buffers, fill buffers that no backward ever frees).
+            return fn(*args, **kwargs)
+        ckpt = _deepspeed()
+        args = grad_path(module, tuple(fresh_alias(a) for a in args))
+        kwargs = {k: fresh_alias(v) for k, v in kwargs.items()}
+        try:
+            return ckpt.checkpoint(fn, *args, **kwargs)
+        except BaseException:
+            # A failed forward leaves contiguous-buffer offsets and offload ids behind;
+            # reset() clears them so the next step starts clean.
+            ckpt.reset()
+            raise

@@ -1,0 +1,318 @@
+"""actcfg.apply with the deepspeed backend, through the real DeepSpeed package on the CPU
+(single-process gloo group): configure() state read back, routing, names, gradients, remove.
+
+cpu_checkpointing alone breaks backward on DeepSpeed's CPU accelerator (BACKENDS.md 1.3) and
+partition needs a model-parallel group > 1, so the input-emptying guard is proven on CUDA
+(tests/test_runtime_cuda.py); here it is tested by emptying the alias the way DeepSpeed does.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("deepspeed")
+
+try:
+    from tests._deepspeed_env import ds_env, ds_globals
+except ImportError:  # pytest's rootdir-relative import mode
+    from _deepspeed_env import ds_env, ds_globals
+
+from actcfg import _deepspeed_route
+from actcfg.errors import PolicyApplyError
+from actcfg.probes import blocks, linear_chain
+from actcfg.runtime import apply, mpu_from_group
+
+__all__ = ["ds_env"]
+
+pytestmark = pytest.mark.deepspeed
+
+DEFAULTS = {"partition_activations": False, "contiguous_checkpointing": False, "num_checkpoints": None,
+            "checkpoint_in_cpu": False, "synchronize": False, "profile": False}
+
+
+def ds_policy(**extra) -> dict:
+    return {"version": 1, "backend": "deepspeed",
+            "checkpoint": {"mode": "full", "modules": ["Block"]}, **extra}
+
+
+def small_blocks(n: int = 3) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return blocks(n=n, d_model=32, heads=4, ffn=64, batch=2, seq=8, dtype=torch.float32, device="cpu")
+
+
+def grads(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    model(x).square().mean().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def module_state(model: nn.Module) -> list:
+    return [(n, sorted(m.__dict__), list(m._forward_pre_hooks), list(m._forward_hooks))
+            for n, m in model.named_modules()]
+
+
+@pytest.fixture
+def ckpt(ds_env):
+    """DeepSpeed's checkpointing module, reset to defaults around each test."""
+    ds_env._configure_defaults()
+    yield ds_env
+    assert _deepspeed_route._LIVE == [], "a test left a DeepSpeed policy applied"
+    ds_env._configure_defaults()
+
+
+def test_configures_every_kwarg_and_reads_the_state_back(ckpt):
+    model, x = small_blocks()
+    handle = apply(model, ds_policy(synchronize=True, profile=True))
+    want = {**DEFAULTS, "synchronize": True, "profile": True}
+    assert ds_globals(ckpt) == want
+    assert ckpt.is_configured()
+    assert handle.deepspeed["configure_kwargs"] == want
+    assert handle.deepspeed["state"] == {**want, "is_configured": True, "mp_size": 1}
+    assert handle.checkpointed == ("blocks.0", "blocks.1", "blocks.2")
+    assert handle.checkpoint_api == "deepspeed.checkpointing.checkpoint"
+    assert handle.summary() == (
+        "actcfg: backend deepspeed; full checkpointing of 3 modules (blocks.0, blocks.1, blocks.2) "
+        "via deepspeed.checkpointing.checkpoint; "
+        "deepspeed.checkpointing.configure(synchronize, profile)"
+    )
+    handle.remove()
+
+
+def test_backend_argument_overrides_the_policy_backend(ckpt):
+    model, _ = small_blocks()
+    cfg = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]}}
+    with apply(model, cfg, backend="deepspeed") as handle:
+        assert handle.checkpoint_api == "deepspeed.checkpointing.checkpoint"
+
+
+def test_routes_through_deepspeed_checkpoint_with_same_gradients(ckpt, monkeypatch):
+    model, x = small_blocks()
+    plain = copy.deepcopy(model)
+    calls = []
+    real = ckpt.CheckpointFunction.apply
+
+    def counting(*args):
+        calls.append(args[0])
+        return real(*args)
+
+    monkeypatch.setattr(ckpt.CheckpointFunction, "apply", counting)
+    with apply(model, ds_policy()):
+        got, want = grads(model, x), grads(plain, x)
+        assert len(calls) == 3  # one DeepSpeed checkpoint per block, per forward
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+
+
+def test_first_module_gets_gradients_although_the_input_needs_none(ckpt):
+    # DeepSpeed's checkpoint is reentrant: without an input that requires grad the first
+    # routed module's parameters would get no gradient at all.
+    torch.manual_seed(0)
+    model, x = linear_chain(n=3, width=16, shape=(4,), dtype=torch.float32, device="cpu")
+    plain = copy.deepcopy(model)
+    cfg = {"version": 1, "backend": "deepspeed", "checkpoint": {"mode": "full", "modules": ["Linear"]}}
+    with apply(model, cfg):
+        assert not x.requires_grad
+        got, want = grads(model, x), grads(plain, x)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_names_and_state_dict_unchanged_and_remove_restores(ckpt):
+    model, x = small_blocks()
+    names = ([n for n, _ in model.named_modules()], [n for n, _ in model.named_parameters()],
+             list(model.state_dict()))
+    before = module_state(model)
+    handle = apply(model, ds_policy(synchronize=True))
+    assert ([n for n, _ in model.named_modules()], [n for n, _ in model.named_parameters()],
+            list(model.state_dict())) == names
+    fresh = small_blocks()[0]
+    fresh.load_state_dict(model.state_dict(), strict=True)
+    model.load_state_dict(fresh.state_dict(), strict=True)
+    handle.remove()
+    assert module_state(model) == before
+    assert ds_globals(ckpt) == DEFAULTS
+
+
+def test_remove_restores_the_state_from_before_apply(ckpt):
+    ckpt.configure(None, synchronize=True)
+    model, _ = small_blocks()
+    apply(model, ds_policy(profile=True)).remove()
+    assert ds_globals(ckpt) == {**DEFAULTS, "synchronize": True}
+
+
+def test_deepcopy_routes_with_its_own_weights(ckpt):
+    model, x = small_blocks()
+    with apply(model, ds_policy()):
+        reference = copy.deepcopy(model)
+        twin = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in twin.parameters():
+                p.mul_(0.5)
+        expected = small_blocks()[0]
+        expected.load_state_dict(twin.state_dict())
+        torch.testing.assert_close(twin(x), expected(x), rtol=0, atol=0)
+        for (n, g), (_, w) in zip(grads(twin, x).items(), grads(expected, x).items()):
+            assert torch.equal(g, w), n
+        for (n, g), (_, w) in zip(grads(model, x).items(), grads(reference, x).items()):
+            assert torch.equal(g, w), n
+
+
+def test_alias_guard_keeps_the_callers_tensor_when_deepspeed_empties_its_input(ckpt, monkeypatch):
+    """Do to the alias what DeepSpeed's partition/cpu paths do (`arg.data = torch.empty([])`,
+    ckpt.py:456/491/545): a residual around the routed block must still see its input."""
+    real = ckpt.checkpoint
+
+    def emptying(function, *args, **kwargs):
+        out = real(function, *args, **kwargs)
+        for a in args:
+            if torch.is_tensor(a) and a.is_floating_point():
+                a.saved_data = a.data  # DeepSpeed's backward puts it back from here (ckpt.py:700)
+                a.data = torch.empty([], device=a.device).data
+        return out
+
+    class Residual(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.inner(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), Residual(nn.Sequential(nn.Linear(16, 16), nn.GELU())))
+    x = torch.randn(4, 16)
+    plain = copy.deepcopy(model)
+    monkeypatch.setattr(ckpt, "checkpoint", emptying)
+    cfg = {"version": 1, "backend": "deepspeed", "checkpoint": {"mode": "full", "modules": ["1.inner"]}}
+    with apply(model, cfg):
+        torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+        got, want = grads(model, x), grads(plain, x)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_alias_is_not_a_view_so_it_holds_no_reference_to_the_caller():
+    x = torch.randn(4, requires_grad=True) * 1.0
+    alias = _deepspeed_route.fresh_alias(x)
+    assert alias is not x and alias._base is None and alias.data_ptr() == x.data_ptr()
+    alias.data = torch.empty([]).data
+    assert x.shape == (4,)
+    alias2 = _deepspeed_route.fresh_alias(x)
+    alias2.sum().backward()
+    assert alias2.grad_fn is not None
+
+
+def test_partition_without_model_parallel_group_is_refused(ckpt):
+    model, _ = small_blocks()
+    before = module_state(model)
+    with pytest.raises(PolicyApplyError) as info:
+        apply(model, ds_policy(partition=True))
+    assert str(info.value) == (
+        "partition: true needs a model-parallel group larger than one, and no mpu= was given: "
+        "DeepSpeed would shard nothing, and on one GPU its partition path returned wrong "
+        "gradients (BACKENDS.md section 7); pass mpu= with model-parallel size > 1, or set "
+        "`partition: false`"
+    )
+    import torch.distributed as dist
+
+    with pytest.raises(PolicyApplyError, match=r"^partition: true needs a model-parallel group "
+                       r"larger than one, and mpu= has model-parallel size 1: "):
+        apply(model, ds_policy(partition=True), mpu=mpu_from_group(dist.group.WORLD))
+    assert module_state(model) == before
+    assert ds_globals(ckpt) == DEFAULTS
+
+
+def test_mpu_from_group_answers_what_deepspeed_asks(ckpt):
+    import torch.distributed as dist
+
+    mpu = mpu_from_group(dist.group.WORLD)
+    assert (mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size()) == (0, 1)
+    assert mpu.get_tensor_model_parallel_group() is dist.group.WORLD
+    model, _ = small_blocks()
+    with apply(model, ds_policy(), mpu=dist.group.WORLD) as handle:  # a group works directly
+        assert ckpt.mpu is not None and ckpt.mp_size == 1
+        assert handle.deepspeed["state"]["mp_size"] == 1
+    assert ckpt.mpu is None
+
+
+def test_an_mpu_without_the_queries_is_refused(ckpt):
+    model, _ = small_blocks()
+    with pytest.raises(PolicyApplyError, match=r"^mpu='object' has neither get_tensor_model_parallel_"):
+        apply(model, ds_policy(), mpu=object())
+
+
+def test_num_checkpoints_below_routed_modules_is_refused(ckpt):
+    class MP:  # a model-parallel unit of size 2, as DeepSpeed reads one; nothing runs
+        def get_model_parallel_rank(self):
+            return 0
+
+        def get_model_parallel_world_size(self):
+            return 2
+
+        def get_model_parallel_group(self):
+            return None
+
+    model, _ = small_blocks(3)
+    with pytest.raises(PolicyApplyError) as info:
+        apply(model, ds_policy(partition=True, contiguous=True, num_checkpoints=2), mpu=MP())
+    assert str(info.value) == (
+        "num_checkpoints: 2 is fewer than the 3 modules routed through "
+        "deepspeed.checkpointing.checkpoint (DeepSpeed's contiguous buffers would fail with "
+        "IndexError); set `num_checkpoints: 3` or more"
+    )
+
+
+def test_a_second_policy_with_other_settings_is_refused_while_one_is_live(ckpt):
+    a, _ = small_blocks()
+    b, _ = small_blocks()
+    with apply(a, ds_policy(synchronize=True)):
+        with pytest.raises(PolicyApplyError, match=r"^another DeepSpeed policy is live in this process"):
+            apply(b, ds_policy())
+        with apply(b, ds_policy(synchronize=True)):  # the same settings may share the globals
+            pass
+        assert ds_globals(ckpt)["synchronize"] is True  # still live for `a`
+    assert ds_globals(ckpt) == DEFAULTS
+
+
+def test_a_state_mismatch_after_configure_fails_loudly_and_undoes(ckpt, monkeypatch):
+    real = ckpt.configure
+
+    def lossy(mpu, **kwargs):  # a DeepSpeed that drops a kwarg, as readers have done
+        real(mpu, **{**kwargs, "profile": None})
+
+    monkeypatch.setattr(ckpt, "configure", lossy)
+    model, _ = small_blocks()
+    before = module_state(model)
+    with pytest.raises(PolicyApplyError) as info:
+        apply(model, ds_policy(profile=True))
+    assert str(info.value) == (
+        "DeepSpeed's activation-checkpointing state after configure() differs from the policy: "
+        "profile: wanted True, DeepSpeed has False"
+    )
+    assert module_state(model) == before
+    assert ds_globals(ckpt) == DEFAULTS
+
+
+def test_no_grad_forward_bypasses_deepspeed(ckpt, monkeypatch):
+    model, x = small_blocks()
+    plain = copy.deepcopy(model)
+    calls = []
+    monkeypatch.setattr(ckpt.CheckpointFunction, "apply", lambda *a: calls.append(a))
+    with apply(model, ds_policy()), torch.no_grad():
+        torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+    assert calls == []
+
+
+def test_an_exception_in_a_routed_forward_leaves_the_next_step_working(ckpt):
+    model, x = small_blocks()
+    plain = copy.deepcopy(model)
+    with apply(model, ds_policy()):
+        with pytest.raises(RuntimeError):
+            model(x[..., :5])  # wrong width: fails inside the routed block
+        got, want = grads(model, x), grads(plain, x)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
