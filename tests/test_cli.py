@@ -251,3 +251,17 @@ def test_validate_imports_neither_torch_nor_deepspeed():
     )
     proc = _python("-c", code)
     assert proc.stdout.splitlines()[-1] == "1 []", proc.stderr
+
+
+def test_pre_commit_hook_runs_validate(run_cli):
+    import re
+
+    import yaml
+
+    [hook] = yaml.safe_load((ROOT / ".pre-commit-hooks.yaml").read_text())
+    assert (hook["id"], hook["entry"], hook["language"], hook["types"]) == (
+        "actcfg-validate", "actcfg validate", "python", ["yaml"])
+    files = re.compile(hook["files"])
+    assert all(files.search(str(p.relative_to(ROOT))) for p in CONFIGS)
+    assert not files.search("docs/other.yaml") and not files.search(".pre-commit-hooks.yaml")
+    assert run_cli(*hook["entry"].split()[1:], *CONFIGS).code == 0
