@@ -149,6 +149,14 @@ def test_peak_not_below_plain_fails_with_both_numbers():
         "policy freed no activation memory")
 
 
+def test_peak_lower_only_by_noise_fails():
+    m = measured(policy_peak=12 * B - B // 25)
+    assert verdict("peak", CKPT, m) == Verdict(
+        "peak", False,
+        "checkpointing is on but the peak was 3.14 GB, only 10.5 MB below the plain run's "
+        "3.15 GB (less than 5% of one block input): the policy freed almost no activation memory")
+
+
 def test_peak_of_offload_without_checkpointing_names_cpu_checkpointing():
     m = measured(policy_peak=13 * B)
     assert verdict("peak", OFFLOAD_ALL, m).message.startswith("cpu_checkpointing is on but the peak")
@@ -390,6 +398,23 @@ def test_the_factory_contract():
         _build(lambda: ("model", x))
     with pytest.raises(VerifyError, match=r"^example inputs are a int: give a tensor"):
         _split_inputs(3)
+
+
+def test_blocks_are_checkpointed_modules_else_offload_groups_else_top_level_children():
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from actcfg.verify import _blocks, _engine
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    engine = SimpleNamespace(stats=object())
+    assert _blocks(SimpleNamespace(checkpointed=("0",), offload={"groups": ["1"]}), model) == ("0",)
+    assert _blocks(SimpleNamespace(checkpointed=(), offload={"groups": ["1"]}), model) == ("1",)
+    assert _blocks(SimpleNamespace(checkpointed=(), groups=("1",), offload=engine), model) == ("1",)
+    assert _blocks(SimpleNamespace(checkpointed=(), offload=None), model) == ("0", "1")
+    assert _engine(SimpleNamespace(engine=engine, offload={"groups": []})) is engine
+    assert _engine(SimpleNamespace(offload=engine)) is engine
+    assert _engine(SimpleNamespace(offload={"groups": []})) is None
 
 
 # --- gradient comparison and dtype, on CPU tensors ---------------------------------------------
