@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from actcfg.diagnostics import Diagnostic
 from actcfg.errors import ConfigLoadError
-from actcfg.loader import _YAML11_BOOLS, Document, LoadFailure, _kind, parse_document, read_document
+from actcfg.loader import YAML11_BOOLS, Document, LoadFailure, kind_of, parse_document, read_document
 from actcfg.schema import CHECKPOINT_MODES, Backend, Finding, Policy, check_rules, user_path
 from actcfg.suggest import keys_at, suggest
 
@@ -73,7 +73,7 @@ def _shown(value: Any) -> str:
 
 def _hint_for_type(kind: str, value: Any, path: tuple[Any, ...]) -> str:
     if kind == "bool_type" and isinstance(value, str):
-        if value.lower() in _YAML11_BOOLS:
+        if value.lower() in YAML11_BOOLS:
             return f"YAML 1.1 reads `{value}` as a boolean, actcfg does not guess: write true or false"
         if value.lower() in ("true", "false"):
             return f"remove the quotes: write {value.lower()}"
@@ -135,7 +135,7 @@ def _from_error(error: Mapping[str, Any], data: Any, doc: Document | None, name:
     elif code == "wrong-type":
         expected = _TYPE_WORDS.get(kind)
         message = (
-            f"`{where}` must be {expected}, got {_kind(value)} {_shown(value)}"
+            f"`{where}` must be {expected}, got {kind_of(value)} {_shown(value)}"
             if expected
             else f"`{where}`: {error['msg']}"
         )
@@ -243,7 +243,7 @@ def check_data(
     """The policy in already-loaded `data` (or None) and every diagnostic, without positions."""
     if not isinstance(data, dict):
         return None, [Diagnostic(name, None, None, "yaml-not-mapping", "error",
-                                 f"a policy is a mapping, not a {_kind(data)}", "pass a dict")]
+                                 f"a policy is a mapping, not a {kind_of(data)}", "pass a dict")]
     return _validate(data, None, name, _backends(backends))
 
 

@@ -1,4 +1,4 @@
-"""`actcfg`: validate | schema | translate | import. Flags, wiring and exit codes only.
+"""`actcfg`: validate | schema | translate | import | verify. Flags, wiring and exit codes only.
 
 Exit codes (docs/architecture.md): 0 every file valid; 1 any error (or any warning under
 `--strict`); 2 usage error or a file that cannot be read. No input produces a traceback.
@@ -191,6 +191,52 @@ def _add_import(sub: Any) -> None:
     p.set_defaults(run=_import)
 
 
+# --- verify --------------------------------------------------------------------------------
+
+
+def _verify(args: argparse.Namespace) -> int:
+    # Imported here, not above: verify measures with torch, and validate must never load it.
+    from actcfg.verify import DEFAULT_MODEL, load_factory, require_cuda, verify
+    from actcfg.verify_report import REPORTER_BY_NAME as RENDERERS
+    from actcfg.verify_report import plot_memory, require_plotting
+
+    policy, diagnostics = check_file(args.config, backends=(args.backend,) if args.backend else ())
+    _report(diagnostics)
+    if policy is None:
+        return 2
+    if args.steps < 1:
+        raise _Usage(f"--steps must be at least 1, got {args.steps}")
+    try:  # what would stop the run is found before the GPU work, and is a usage error
+        factory = load_factory(args.model or DEFAULT_MODEL)
+        require_cuda()
+        if args.plot:
+            require_plotting()
+    except ActcfgError as e:
+        raise _Usage(str(e)) from None
+    report = verify(factory, policy, steps=args.steps, backend=args.backend)
+    _out(RENDERERS[args.format](report))
+    if args.plot:
+        try:
+            plot_memory(report, args.plot)
+        except ActcfgError as e:
+            raise _Usage(str(e)) from None
+    return 0 if report.ok else 1
+
+
+def _add_verify(sub: Any) -> None:
+    p = sub.add_parser("verify", help="run a model plain and with the policy on the GPU; exit 1 "
+                                      "if a promise of the policy does not hold")
+    p.add_argument("config", metavar="CONFIG", help="policy YAML file")
+    p.add_argument("--model", metavar="PKG.MODULE:FACTORY",
+                   help="factory returning (model, example_inputs), or a model with an "
+                        "example_inputs attribute or method (default: actcfg.probes:linear_chain)")
+    p.add_argument("--backend", choices=_BACKENDS, help="default: the policy's `backend`")
+    p.add_argument("--steps", type=int, default=3, help="forward+backward steps per run (default 3)")
+    p.add_argument("--format", choices=["json", "text"], default="text", help="output format")
+    p.add_argument("--plot", metavar="PNG", help="also write memory per block, plain vs policy")
+    p.set_defaults(run=_verify)
+
+
 # --- wiring --------------------------------------------------------------------------------
 
 COMMANDS: dict[str, Callable[[Any], None]] = {
@@ -198,6 +244,7 @@ COMMANDS: dict[str, Callable[[Any], None]] = {
     "schema": _add_schema,
     "translate": _add_translate,
     "import": _add_import,
+    "verify": _add_verify,
 }
 """Each subcommand's parser builder; a builder sets `run` (args -> exit code) as default."""
 
@@ -232,6 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _err("actcfg: interrupted\n")
         return 2
     except BrokenPipeError:
+        # The reader went away (`| head`): silence the flush at exit, as the Python docs advise.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 2
     except Exception as e:  # last resort: never a traceback
         _err(f"actcfg: internal error, please report: {type(e).__name__}: {e}\n")

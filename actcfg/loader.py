@@ -42,6 +42,9 @@ __all__ = [
     "MAX_BYTES",
     "MAX_DEPTH",
     "MAX_EXPANDED_NODES",
+    "Problem",
+    "YAML11_BOOLS",
+    "kind_of",
     "parse_document",
     "read_document",
     "read_json",
@@ -60,7 +63,8 @@ _TAG = "tag:yaml.org,2002:"
 _ALLOWED_TAGS = frozenset(
     _TAG + name for name in ("str", "int", "float", "bool", "null", "seq", "map", "merge")
 )
-_YAML11_BOOLS = frozenset({"yes", "no", "on", "off", "y", "n"})
+YAML11_BOOLS = frozenset({"yes", "no", "on", "off", "y", "n"})
+"""Plain scalars YAML 1.1 reads as booleans and this loader keeps as strings (any case)."""
 
 
 # --- failures ------------------------------------------------------------------------------
@@ -121,11 +125,19 @@ _StrictResolver.add_implicit_resolver(
 )
 _StrictResolver.add_implicit_resolver(_TAG + "merge", re.compile(r"^<<$"), ["<"])
 
+# What an explicitly tagged scalar (`!!int 12`) must look like: the implicit forms, and
+# for floats also plain integers (`!!float 1`).
 _SCALAR_FORMS = {
     tag: next(regex for t, regex in _StrictResolver.yaml_implicit_resolvers[first] if t == tag)
-    for tag, first in ((_TAG + "bool", "t"), (_TAG + "int", "1"), (_TAG + "float", "."),
-                       (_TAG + "null", "~"))
+    for tag, first in ((_TAG + "bool", "t"), (_TAG + "int", "1"), (_TAG + "null", "~"))
 }
+_SCALAR_FORMS[_TAG + "float"] = re.compile(
+    "|".join(
+        regex.pattern
+        for t, regex in _StrictResolver.yaml_implicit_resolvers["1"]
+        if t in (_TAG + "float", _TAG + "int")
+    )
+)
 
 
 class _TooComplex(Exception):
@@ -255,7 +267,7 @@ class Document:
             line, column = _position(node)
             raise LoadFailure(
                 "yaml-not-mapping",
-                f"section `{'.'.join(parts)}` is a {_kind(data)}, not a mapping of policy keys",
+                f"section `{'.'.join(parts)}` is a {kind_of(data)}, not a mapping of policy keys",
                 "point --at at the mapping that holds `version: 1`",
                 line,
                 column,
@@ -269,7 +281,7 @@ class Document:
         return Document(self.name, data, node, self.at + parts, problems)
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
     """A YAML user's word for the type of `value`."""
     return {
         bool: "boolean",
@@ -462,7 +474,7 @@ def parse_document(text: str, name: str) -> Document:
         line, column = _position(root)
         raise LoadFailure(
             "yaml-not-mapping",
-            f"the top level is a {_kind(data)}, not a mapping of policy keys",
+            f"the top level is a {kind_of(data)}, not a mapping of policy keys",
             "write `key: value` lines, starting with `version: 1`",
             line,
             column,

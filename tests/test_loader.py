@@ -168,3 +168,9 @@ def test_read_json_positions(tmp_path):
     assert (info.value.code, info.value.line, info.value.column) == ("json-syntax", 2, 7)
     path.write_text('{"a": [1]}')
     assert read_json(path) == {"a": [1]}
+
+
+def test_explicit_standard_tags_are_plain_data():
+    doc = parse_document("a: !!float 1\nb: !!str 12\nc: !!int 0x10\nd: !!bool true\n", "f.yaml")
+    assert doc.data == {"a": 1.0, "b": "12", "c": 16, "d": True}
+    assert type(doc.data["a"]) is float
