@@ -34,6 +34,7 @@ __all__ = [
     "VerifyReport",
     "judge",
     "load_factory",
+    "require_cuda",
     "verify",
     "worst_grad",
 ]
@@ -597,6 +598,17 @@ def _host_bytes(handle: Any, pool_before: int | None) -> tuple[int | None, int |
     return max(0, pool_after - pool_before), None
 
 
+def require_cuda() -> None:
+    """Raise VerifyError unless torch is installed and sees a CUDA GPU."""
+    try:
+        import torch
+    except ImportError as e:
+        raise VerifyError("actcfg verify needs torch: pip install actcfg[torch]") from e
+    if not torch.cuda.is_available():
+        raise VerifyError("actcfg verify measures GPU memory and needs a CUDA GPU, but "
+                          "torch.cuda.is_available() is False here: run it on a GPU machine")
+
+
 def verify(
     model_factory: Callable[[], Any],
     cfg: Any,
@@ -615,17 +627,11 @@ def verify(
     `apply` replaces `actcfg.runtime.apply` (tests inject broken ones). Raises VerifyError
     without a CUDA GPU: what is measured is GPU memory.
     """
-    try:
-        import torch
-    except ImportError as e:
-        raise VerifyError("actcfg verify needs torch: pip install actcfg[torch]") from e
     from actcfg.checker import load
 
     if steps < 1:
         raise VerifyError(f"steps must be at least 1, got {steps}")
-    if not torch.cuda.is_available():
-        raise VerifyError("actcfg verify measures GPU memory and needs a CUDA GPU, but "
-                          "torch.cuda.is_available() is False here: run it on a GPU machine")
+    require_cuda()
     chosen = Backend(backend) if backend is not None else None
     policy = load(cfg, backends=(chosen,) if chosen is not None else ())
     if apply is None:

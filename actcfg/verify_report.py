@@ -13,7 +13,7 @@ from collections.abc import Callable
 from actcfg.errors import VerifyError
 from actcfg.verify import VerifyReport, worst_grad, tolerance
 
-__all__ = ["REPORTER_BY_NAME", "plot_memory", "render_json", "render_text"]
+__all__ = ["REPORTER_BY_NAME", "plot_memory", "render_json", "render_text", "require_plotting"]
 
 _MIB = 2**20
 
@@ -90,12 +90,23 @@ REPORTER_BY_NAME: dict[str, Callable[[VerifyReport], str]] = {
 """`--format` name -> renderer."""
 
 
+_NO_MATPLOTLIB = "--plot needs matplotlib: pip install actcfg[plot]"
+
+
+def require_plotting() -> None:
+    """Raise VerifyError unless matplotlib can be imported (checked before a GPU run, not after)."""
+    try:
+        import matplotlib.figure  # noqa: F401
+    except ImportError as e:
+        raise VerifyError(_NO_MATPLOTLIB) from e
+
+
 def plot_memory(report: VerifyReport, path: str | os.PathLike[str]) -> None:
     """Write a PNG of GPU memory held after each block, plain vs policy."""
     try:
         from matplotlib.figure import Figure
     except ImportError as e:
-        raise VerifyError("--plot needs matplotlib: pip install actcfg[plot]") from e
+        raise VerifyError(_NO_MATPLOTLIB) from e
     m = report.measurements
     # Figure() without pyplot: no global backend state, no display needed.
     fig = Figure(figsize=(8, 4.5), layout="constrained")
