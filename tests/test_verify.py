@@ -9,6 +9,7 @@ import math
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +27,7 @@ from actcfg.verify import (
 )
 from actcfg.verify_report import REPORTER_BY_NAME, plot_memory, render_json, render_text
 
+ROOT = Path(__file__).resolve().parent.parent
 B = 262_144_000  # one block input of the seed chain: 256 x 256 x 2000 fp16
 MiB = 2**20
 NAMES = tuple(str(i) for i in range(10))
@@ -496,3 +498,101 @@ def test_judging_and_rendering_import_no_torch():
             "print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout == "False\n"
+
+
+# --- the CLI: exit codes and output --------------------------------------------------------------
+
+SEED_CONFIG = str(ROOT / "configs" / "seed-linear-offload.yaml")
+BAD_MODE = str(ROOT / "tests" / "data" / "invalid" / "bad-mode.yaml")
+
+
+@pytest.fixture
+def measured_as(monkeypatch):
+    """Replace the GPU measurement (only it) with a synthetic report, to pin the CLI's mapping."""
+    import actcfg.verify as module
+
+    def use(rep: VerifyReport) -> list[dict]:
+        calls: list[dict] = []
+
+        def fake_verify(factory, cfg, **kwargs):
+            calls.append({"factory": factory, "cfg": cfg, **kwargs})
+            return rep
+
+        monkeypatch.setattr(module, "require_cuda", lambda: None)
+        monkeypatch.setattr(module, "verify", fake_verify)
+        return calls
+
+    return use
+
+
+def test_cli_exit_0_when_every_promise_holds(run_cli, measured_as):
+    calls = measured_as(report())
+    done = run_cli("verify", SEED_CONFIG, "--steps", "5")
+    assert (done.code, done.out, done.err) == (0, render_text(report()), "")
+    (call,) = calls
+    from actcfg.probes import linear_chain
+
+    assert call["factory"] is linear_chain
+    assert call["cfg"] == OFFLOAD
+    assert (call["steps"], call["backend"]) == (5, None)
+
+
+def test_cli_exit_1_when_a_promise_fails_and_json_says_why(run_cli, measured_as):
+    failing = report(OFFLOAD, measured(GROWING))
+    measured_as(failing)
+    done = run_cli("verify", SEED_CONFIG, "--format", "json", "--model", "actcfg.probes:blocks")
+    assert done.code == 1
+    assert json.loads(done.out)["verdicts"][0] == {
+        "promise": "cpu_checkpointing", "ok": False,
+        "message": "cpu_checkpointing is on but GPU memory grew by 0.26 GB per block, the size of "
+                   "one block input: the offload did not take effect"}
+
+
+def test_cli_writes_the_plot(run_cli, measured_as, tmp_path):
+    pytest.importorskip("matplotlib")
+    measured_as(report())
+    done = run_cli("verify", SEED_CONFIG, "--plot", tmp_path / "memory.png")
+    assert done.code == 0
+    assert (tmp_path / "memory.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_plot_without_matplotlib_is_refused_before_measuring(run_cli, measured_as, monkeypatch):
+    calls = measured_as(report())
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    done = run_cli("verify", SEED_CONFIG, "--plot", "memory.png")
+    assert (done.code, done.err) == (2, "actcfg: error: --plot needs matplotlib: pip install "
+                                        "actcfg[plot]\n")
+    assert calls == []
+
+
+@pytest.mark.parametrize(("argv", "err"), [
+    (["--model", "actcfg.probes"], "actcfg: error: --model 'actcfg.probes': write it as "
+                                   "pkg.module:factory (for example actcfg.probes:linear_chain)\n"),
+    (["--steps", "0"], "actcfg: error: --steps must be at least 1, got 0\n"),
+])
+def test_cli_usage_errors_exit_2(run_cli, measured_as, argv, err):
+    calls = measured_as(report())
+    done = run_cli("verify", SEED_CONFIG, *argv)
+    assert (done.code, done.out, done.err) == (2, "", err)
+    assert calls == []
+
+
+def test_cli_invalid_config_prints_the_validate_diagnostics_and_exits_2(run_cli, measured_as):
+    calls = measured_as(report())
+    done = run_cli("verify", BAD_MODE)
+    assert done.code == 2
+    assert done.err.startswith(f"{BAD_MODE}:3:9: error bad-choice: ")
+    assert calls == []
+
+
+def test_cli_without_a_gpu_exits_2_with_the_reason():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    done = subprocess.run([sys.executable, "-m", "actcfg", "verify", SEED_CONFIG],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == ("actcfg: error: actcfg verify measures GPU memory and needs a CUDA "
+                           "GPU, but torch.cuda.is_available() is False here: run it on a GPU "
+                           "machine\n")
