@@ -508,7 +508,7 @@ def block_groups(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], str]:
         out.extend((prefix + n, m) for n, m in module.named_children())
     if out:
         where = ", ".join(f"`{c}`" if c else "the model" for c in containers)
-        return out, f"children of block containers {where}"
+        return out, f"children of {where}"
     return [(n, m) for n, m in model.named_children()], "top-level children of the model"
 
 
