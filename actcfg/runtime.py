@@ -178,7 +178,6 @@ def _backend(value: Backend | str) -> Backend:
 
 
 def _refuse_if_applied(model: nn.Module) -> None:
-    composable = _composable_registry_key()
     for name, module in model.named_modules():
         where = f"`{name}`" if name else "the model"
         if _APPLIED in module.__dict__ or _WRAPPED in module.__dict__:
@@ -187,7 +186,7 @@ def _refuse_if_applied(model: nn.Module) -> None:
                 "call remove() on the handle apply() returned before applying again "
                 "(a copy.deepcopy of an applied model carries the policy with it)"
             )
-        if composable is not None and "checkpoint" in (module.__dict__.get(composable) or {}):
+        if "checkpoint" in _composable_registry(module):
             raise PolicyApplyError(
                 f"{where} is already checkpointed by torch.distributed._composable.checkpoint; "
                 "actcfg would checkpoint it twice: remove that call, or do not apply a policy"
@@ -308,9 +307,12 @@ def _apply_torch(model: nn.Module, policy: Policy, handle: AppliedPolicy) -> Non
         elif ck.use_reentrant:
             forward = _CheckpointedForward(True, ck.preserve_rng_state, None)
             handle.checkpoint_api = "torch.utils.checkpoint.checkpoint(use_reentrant=True)"
-        else:
+        elif _composable_available():
             forward = None
             handle.checkpoint_api = "torch.distributed._composable.checkpoint"
+        else:  # a torch built without torch.distributed: the same checkpoint, by forward override
+            forward = _CheckpointedForward(False, ck.preserve_rng_state, None)
+            handle.checkpoint_api = "torch.utils.checkpoint.checkpoint(use_reentrant=False)"
         for name, module in selected:
             if forward is None:
                 _composable_checkpoint(handle, module, ck.preserve_rng_state)
@@ -321,31 +323,44 @@ def _apply_torch(model: nn.Module, policy: Policy, handle: AppliedPolicy) -> Non
         _apply_offload(model, plan.offload, selected, handle)
 
 
-def _composable_registry_key() -> str | None:
+_COMPOSABLE_PREFIX = "__composable_api"  # torch's composable APIs keep their state under such keys
+
+
+def _composable_registry(module: nn.Module) -> dict[str, Any]:
+    """The composable APIs applied to `module`, by name (empty where torch has none)."""
     try:
         contract = importlib.import_module("torch.distributed._composable.contract")
+        return dict(contract._get_registry(module) or {})
+    except (ImportError, AttributeError):
+        return {}
+
+
+def _composable_available() -> bool:
+    try:
+        importlib.import_module("torch.distributed._composable.checkpoint_activation")
     except ImportError:
-        return None
-    return getattr(contract, "REGISTRY_KEY", None)
+        return False
+    return True
 
 
 def _composable_checkpoint(handle: AppliedPolicy, module: nn.Module, preserve_rng_state: bool) -> None:
     """torch's composable (hook-based, name-keeping) non-reentrant checkpoint, undoably.
 
-    It returns no hook handles, so the hooks and the composable state it adds are found by
-    difference and taken out again on remove().
+    It returns no hook handles, so the hooks and the composable state it adds to the module's
+    __dict__ are found by difference and taken out again on remove().
     """
     from torch.distributed._composable import checkpoint
 
-    contract = importlib.import_module("torch.distributed._composable.contract")
-    state_key, registry_key = contract.STATE_KEY, contract.REGISTRY_KEY
     d = module.__dict__
-    had = {k: k in d for k in (state_key, registry_key)}
+    state_before = {k: set(v) for k, v in d.items()
+                    if k.startswith(_COMPOSABLE_PREFIX) and isinstance(v, dict)}
     pre = set(module._forward_pre_hooks)
     post = set(module._forward_hooks)
     checkpoint(module, use_reentrant=False, preserve_rng_state=preserve_rng_state)
     new_pre = [k for k in module._forward_pre_hooks if k not in pre]
     new_post = [k for k in module._forward_hooks if k not in post]
+    added = {k: [e for e in v if e not in state_before.get(k, ())] for k, v in d.items()
+             if k.startswith(_COMPOSABLE_PREFIX) and isinstance(v, dict)}
     d[_WRAPPED] = "checkpointed (full, composable)"
 
     def undo() -> None:
@@ -356,11 +371,12 @@ def _composable_checkpoint(handle: AppliedPolicy, module: nn.Module, preserve_rn
             module._forward_hooks.pop(k, None)
             module._forward_hooks_with_kwargs.pop(k, None)
             module._forward_hooks_always_called.pop(k, None)
-        d[state_key].pop(checkpoint, None)
-        d[registry_key].pop("checkpoint", None)
-        for key, existed in had.items():
-            if not existed:
+        for key, entries in added.items():
+            if key not in state_before:
                 d.pop(key, None)
+            else:
+                for e in entries:
+                    d[key].pop(e, None)
         d.pop(_WRAPPED, None)
 
     handle._undo.append(undo)
@@ -513,15 +529,15 @@ def block_groups(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], str]:
 
 
 def _apply_offload(model: nn.Module, plan: Any, selected: list[tuple[str, nn.Module]],
-                   handle: AppliedPolicy) -> None:
-    from actcfg.offload import OffloadEngine
-
+                   handle: AppliedPolicy, engine_type: Any = None) -> None:
+    if engine_type is None:
+        from actcfg.offload import OffloadEngine as engine_type
     if plan.scope == "checkpoint_inputs":
         groups, grouping = selected, "the checkpointed modules"
     else:
         groups, grouping = block_groups(model)
     device = next((p.device for p in model.parameters() if p.is_cuda), None)
-    engine = OffloadEngine(pin=plan.pin, pin_budget=plan.pin_budget, device=device)
+    engine = engine_type(pin=plan.pin, pin_budget=plan.pin_budget, device=device)
     engine.skip_tensors_of(model)
     scope = _OffloadScope(engine)
     handle.engine = engine

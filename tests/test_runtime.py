@@ -289,7 +289,8 @@ def test_applying_twice_is_an_error_and_wraps_nothing_more(mode):
 def test_applying_to_a_submodule_of_an_applied_model_is_an_error():
     model, _ = small_blocks(2)
     apply(model, policy("full", ["Block"]))
-    with pytest.raises(PolicyApplyError, match=r"^`fc1` already carries an actcfg policy|^the model already"):
+    with pytest.raises(PolicyApplyError, match=r"^the model already carries an actcfg policy "
+                       r"\(checkpointed \(full, composable\)\); "):
         apply(model.blocks[0], policy("full", ["Linear"]))
 
 
@@ -470,3 +471,109 @@ def test_an_exception_in_forward_leaves_the_next_step_working(mode):
         assert torch.equal(got[name], want[name]), name
     handle.remove()
     assert module_state(model) == before
+
+
+# --- offload wiring (the engine itself needs CUDA: tests/test_runtime_cuda.py) ------------
+
+
+class RecordingEngine:
+    """Stands in for OffloadEngine on the CPU: records what the runtime's hooks call."""
+
+    def __init__(self, **kwargs) -> None:
+        self.kwargs = kwargs
+        self.events: list[str] = []
+        self.min_offload_bytes = 1 << 20
+        self.device = torch.device("cpu")
+        self.skipped: list[nn.Module] = []
+
+    def skip_tensors_of(self, module: nn.Module) -> None:
+        self.skipped.append(module)
+
+    def step(self):
+        engine = self
+
+        class Step:
+            def __enter__(self):
+                engine.events.append("enter")
+
+            def __exit__(self, *exc):
+                engine.events.append("exit")
+
+        return Step()
+
+    def mark_group(self) -> None:
+        self.events.append("mark")
+
+    def close(self) -> None:
+        self.events.append("close")
+
+
+def wire_offload(model: nn.Module, cfg: dict) -> tuple[AppliedPolicy, RecordingEngine]:
+    from actcfg.checker import load
+    from actcfg.runtime import _apply_offload
+    from actcfg.translate import to_torch_native
+
+    policy = load(cfg)
+    plan = to_torch_native(policy)
+    handle = AppliedPolicy(model, policy, policy.backend)
+    selected = select_modules(model, plan.checkpoint.modules, plan.checkpoint.every) if plan.checkpoint else []
+    _apply_offload(model, plan.offload, selected, handle, engine_type=RecordingEngine)
+    return handle, handle.engine
+
+
+def test_offload_step_scopes_training_forwards_and_marks_each_group():
+    model, x = small_blocks(3)
+    before = module_state(model)
+    handle, engine = wire_offload(model, {"version": 1, "cpu_checkpointing": True, "pin_budget": "1GiB"})
+    assert engine.kwargs == {"pin": True, "pin_budget": 2**30, "device": None}
+    assert engine.skipped == [model]
+    assert handle.offload["groups"] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert handle.offload["grouping"] == "children of `blocks`"
+    model(x).sum().backward()
+    assert engine.events == ["enter", "mark", "mark", "mark", "exit"]
+    engine.events.clear()
+    with torch.no_grad():
+        model(x)
+    model.eval()
+    model(x)
+    assert engine.events == []  # eval and no_grad forwards are not offloaded
+    handle.remove()
+    assert engine.events == ["close"]
+    assert module_state(model) == before
+
+
+def test_offload_step_is_closed_when_forward_raises():
+    torch.manual_seed(0)
+    model = nn.Sequential(Flaky(), Flaky(), Flaky())
+    handle, engine = wire_offload(model, {"version": 1, "cpu_checkpointing": True})
+    assert handle.offload["grouping"] == "children of the model"
+    model[1].fail = True
+    with pytest.raises(RuntimeError, match="^boom$"):
+        model(torch.randn(2, 16))
+    assert engine.events == ["enter", "mark", "mark", "exit"]
+
+
+def test_offload_groups_are_the_checkpointed_modules_and_enclose_checkpoint_hooks():
+    model, x = small_blocks(4)
+    cfg = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"], "every": 2},
+           "cpu_checkpointing": True}
+    from actcfg.checker import load
+    from actcfg.runtime import _apply_offload, _composable_checkpoint
+    from actcfg.translate import to_torch_native
+
+    policy = load(cfg)
+    plan = to_torch_native(policy)
+    handle = AppliedPolicy(model, policy, policy.backend)
+    selected = select_modules(model, plan.checkpoint.modules, plan.checkpoint.every)
+    for _, m in selected:
+        _composable_checkpoint(handle, m, True)
+    _apply_offload(model, plan.offload, selected, handle, engine_type=RecordingEngine)
+    assert handle.offload["groups"] == ["blocks.1", "blocks.3"]
+    assert handle.offload["grouping"] == "the checkpointed modules"
+    # The boundary is marked before the composable checkpoint's pre-hook saves the inputs.
+    block = model.blocks[1]
+    first = next(iter(block._forward_pre_hooks.values()))
+    assert getattr(first, "__func__", None) is not None and first.__func__.__name__ == "mark"
+    model(x).sum().backward()
+    assert handle.engine.events == ["enter", "mark", "mark", "exit"]
+    handle.remove()
