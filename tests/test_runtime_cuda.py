@@ -182,8 +182,14 @@ def test_policy_on_probe(probe, backend, combo, request):
         got = run(model, probe, each_step=each_step)
         label = f"{probe.name} {backend} {combo}"
         assert_grads_match(got.grads, plain.grads, probe.x.dtype)
-        assert got.peak < plain.peak, f"{label}: peak {got.peak} not below plain {plain.peak}"
         offloads = cfg.get("cpu_checkpointing", False)
+        if probe.name == "seed" and not offloads:
+            # A checkpointed Linear saves exactly what a plain one saves (its input), so the
+            # policy promises no drop here; recomputation may add one layer output in backward.
+            assert got.peak <= plain.peak + probe.input_bytes, (
+                f"{label}: peak {got.peak} above plain {plain.peak} + one layer input")
+        else:
+            assert got.peak < plain.peak, f"{label}: peak {got.peak} not below plain {plain.peak}"
         if offloads:
             checkpointed = "checkpoint" in cfg
             # With checkpointing only block inputs are offloaded; without, each block's whole
