@@ -60,7 +60,7 @@ class Probe:
 class Run:
     grads: dict[str, torch.Tensor]
     per_block: list[int]  # memory_allocated after each block's forward, last step
-    peak: int  # max_memory_allocated over the last step, forward and backward
+    peak: int  # max_memory_allocated over the last step above what was allocated before it
 
 
 def _blocks_of(model: nn.Module, probe: str) -> list[nn.Module]:
@@ -99,6 +99,9 @@ def run(model: nn.Module, probe: Probe, steps: int = STEPS, each_step=None) -> R
             gc.collect()
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            # Relative to the step's start: the plain model and its gradients are still on the
+            # GPU while the policy's copy runs, and must not count against the policy.
+            start = torch.cuda.memory_allocated()
             per_block.clear()
             recording[0] = True
             out = model(probe.x)
@@ -108,7 +111,7 @@ def run(model: nn.Module, probe: Probe, steps: int = STEPS, each_step=None) -> R
             torch.cuda.synchronize()
             if each_step is not None:
                 each_step(i)
-        peak = torch.cuda.max_memory_allocated()
+        peak = torch.cuda.max_memory_allocated() - start
     finally:
         for h in hooks:
             h.remove()
