@@ -92,6 +92,17 @@ def apply(model: nn.Module, policy: Policy, handle: Any, mpu: Any) -> None:
         )
     # checkpoint.mode none: nothing is routed, but DeepSpeed is still configured explicitly
     # (to its defaults), so its state is known rather than whatever an earlier caller left.
+    if kwargs["checkpoint_in_cpu"] and not kwargs["partition_activations"]:
+        from deepspeed.accelerator import get_accelerator
+
+        if get_accelerator().device_name() == "cpu":
+            # On the CPU accelerator DeepSpeed 0.19.8 takes a blocking-copy path whose backward
+            # fails ("element 0 of tensors does not require grad"; BACKENDS.md 1.3).
+            raise PolicyApplyError(
+                "cpu_checkpointing: true with the deepspeed backend needs a GPU: DeepSpeed's CPU "
+                "accelerator offloads nothing useful and its backward fails; set "
+                "`cpu_checkpointing: false` to run on the CPU"
+            )
     selected = [] if route is None else select_modules(model, tuple(route["modules"]), route["every"])
     if kwargs["contiguous_checkpointing"] and kwargs["num_checkpoints"] < len(selected):
         raise PolicyApplyError(
@@ -108,7 +119,7 @@ def apply(model: nn.Module, policy: Policy, handle: Any, mpu: Any) -> None:
             "deepspeed.init_distributed() or deepspeed.initialize() first, even on one GPU"
         )
     for live_kwargs, live_mpu, _ in _LIVE:
-        if live_kwargs != kwargs or live_mpu is not mpu:
+        if live_kwargs != kwargs or live_mpu != mpu:
             raise PolicyApplyError(
                 "another DeepSpeed policy is live in this process with different settings "
                 f"({_describe(live_kwargs)}); DeepSpeed keeps one activation-checkpointing "

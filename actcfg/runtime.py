@@ -604,5 +604,11 @@ class _GroupMPU:
     get_tensor_model_parallel_world_size = get_model_parallel_world_size
     get_tensor_model_parallel_group = get_model_parallel_group
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _GroupMPU) and other.group is self.group
+
+    def __hash__(self) -> int:
+        return id(self.group)
+
     def __repr__(self) -> str:
         return f"<actcfg mpu: model-parallel size {self.get_model_parallel_world_size()}>"

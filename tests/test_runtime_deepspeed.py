@@ -239,6 +239,34 @@ def test_mpu_from_group_answers_what_deepspeed_asks(ckpt):
     assert ckpt.mpu is None
 
 
+def test_two_policies_on_the_same_group_share_deepspeed(ckpt):
+    import torch.distributed as dist
+
+    a, _ = small_blocks()
+    b, _ = small_blocks()
+    with apply(a, ds_policy(), mpu=dist.group.WORLD), apply(b, ds_policy(), mpu=dist.group.WORLD):
+        assert len(_deepspeed_route._LIVE) == 2
+    assert ckpt.mpu is None
+
+
+def test_cpu_checkpointing_on_deepspeeds_cpu_accelerator_is_refused(ckpt):
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        pytest.skip("DeepSpeed runs on a GPU accelerator here")
+    model, _ = small_blocks()
+    before = module_state(model)
+    with pytest.raises(PolicyApplyError) as info:
+        apply(model, ds_policy(cpu_checkpointing=True))
+    assert str(info.value) == (
+        "cpu_checkpointing: true with the deepspeed backend needs a GPU: DeepSpeed's CPU "
+        "accelerator offloads nothing useful and its backward fails; set "
+        "`cpu_checkpointing: false` to run on the CPU"
+    )
+    assert module_state(model) == before
+    assert ds_globals(ckpt) == DEFAULTS
+
+
 def test_an_mpu_without_the_queries_is_refused(ckpt):
     model, _ = small_blocks()
     with pytest.raises(PolicyApplyError, match=r"^mpu='object' has neither get_tensor_model_parallel_"):
