@@ -306,7 +306,7 @@ def test_eval_and_no_grad_forwards_offload_nothing_and_leak_nothing(ckpt):
 
 @pytest.mark.parametrize("combo", ["cpu_checkpointing", "both"])
 def test_an_exception_in_forward_closes_the_offload_step(combo):
-    model, x = blocks(n=4, d_model=256, heads=4, ffn=512, batch=4, seq=128)
+    model, x = blocks(n=4, d_model=256, heads=4, ffn=512, batch=8, seq=512)  # 2 MiB inputs: offloaded
     cot = torch.randn_like(x)
     want = plain_grads(copy.deepcopy(model), x, cot)
     before = [(n, sorted(m.__dict__), list(m._forward_pre_hooks), list(m._forward_hooks))
@@ -327,6 +327,7 @@ def test_an_exception_in_forward_closes_the_offload_step(combo):
         model(x)
     for _ in range(2):
         got = plain_grads(model, x, cot)
+        assert handle.engine.stats.offloaded_bytes > 0
     assert_grads_match(got, want, torch.bfloat16)
     h.remove()
     handle.remove()
