@@ -473,6 +473,45 @@ def test_an_exception_in_forward_leaves_the_next_step_working(mode):
     assert module_state(model) == before
 
 
+class _FailInBackward(torch.autograd.Function):
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _FailInBackward.armed:
+            _FailInBackward.armed = False
+            raise RuntimeError("boom in backward")
+        return grad
+
+
+class FlakyBackward(Flaky):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FailInBackward.apply(torch.relu(self.lin(x)))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_an_exception_in_backward_leaves_the_next_step_working(mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(*(FlakyBackward() for _ in range(4)))
+    x = torch.randn(8, 16)
+    plain = copy.deepcopy(model)
+    before = module_state(model)
+    handle = apply(model, policy(mode, ["FlakyBackward"]))
+    _FailInBackward.armed = True
+    with pytest.raises(RuntimeError, match="^boom in backward$"):
+        step(model, x)
+    assert not _FailInBackward.armed
+    want, got = step(plain, x), step(model, x)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    handle.remove()
+    assert module_state(model) == before
+
+
 # --- offload wiring (the engine itself needs CUDA: tests/test_runtime_cuda.py) ------------
 
 
