@@ -180,9 +180,10 @@ def _backend(value: Backend | str) -> Backend:
 def _refuse_if_applied(model: nn.Module) -> None:
     for name, module in model.named_modules():
         where = f"`{name}`" if name else "the model"
-        if _APPLIED in module.__dict__ or _WRAPPED in module.__dict__:
+        carried = module.__dict__.get(_APPLIED) or module.__dict__.get(_WRAPPED)
+        if carried:
             raise PolicyApplyError(
-                f"{where} already carries an actcfg policy ({module.__dict__.get(_APPLIED) or module.__dict__[_WRAPPED]}); "
+                f"{where} already carries an actcfg policy ({carried}); "
                 "call remove() on the handle apply() returned before applying again "
                 "(a copy.deepcopy of an applied model carries the policy with it)"
             )
