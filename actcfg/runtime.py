@@ -535,6 +535,12 @@ def _apply_offload(model: nn.Module, plan: Any, selected: list[tuple[str, nn.Mod
         from actcfg.offload import OffloadEngine as engine_type
     if plan.scope == "checkpoint_inputs":
         groups, grouping = selected, "the checkpointed modules"
+        every = getattr(handle.policy.checkpoint, "every", 1)
+        if every > 1:
+            # The engine's hooks cover the whole forward: what the unchecked modules between two
+            # checkpointed ones save joins the group before it and is offloaded with it.
+            grouping += (f" (one in every {every} matches; what the modules between them save is "
+                         "offloaded with the group before it)")
     else:
         groups, grouping = block_groups(model)
     device = next((p.device for p in model.parameters() if p.is_cuda), None)
