@@ -65,7 +65,9 @@ _SIZE_UNITS = {
     "tib": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-SIZE_PATTERN = r"^\s*\d+(\.\d+)?\s*([kKmMgGtT]i?[bB]|[bB])?\s*$"
+# Exactly the strings parse_size accepts: units in any case ("16GIB"), and a fraction only
+# with a unit larger than a byte ("1.5GiB", never "1.5" or "1.5B").
+SIZE_PATTERN = r"^\s*(\d+\s*[bB]?|\d+(\.\d+)?\s*[kKmMgGtT][iI]?[bB])\s*$"
 
 
 def parse_size(value: Any) -> int:
