@@ -6,6 +6,7 @@ on first use.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from actcfg._version import __version__
@@ -37,11 +38,12 @@ __all__ = [
 ]
 
 
-def load(source: Any, *, at: str | None = None) -> Policy:
-    """A validated `Policy` from a path, a YAML string, a dict or a `Policy`."""
+def load(source: Any, *, at: str | None = None, backends: Iterable[Backend | str] = ()) -> Policy:
+    """A validated `Policy` from a path, a YAML string, a dict or a `Policy`; `backends` adds
+    the rules of those backends, as `actcfg validate --backend` does."""
     from actcfg.checker import load as _load
 
-    return _load(source, at=at)
+    return _load(source, at=at, backends=backends)
 
 
 def translate(policy: Policy, backend: Backend | str | None = None) -> dict[str, Any]:
