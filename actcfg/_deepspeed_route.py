@@ -90,8 +90,6 @@ def apply(model: nn.Module, policy: Policy, handle: Any, mpu: Any) -> None:
             "gradients (BACKENDS.md section 7); pass mpu= with model-parallel size > 1, "
             "or set `partition: false`"
         )
-    # checkpoint.mode none: nothing is routed, but DeepSpeed is still configured explicitly
-    # (to its defaults), so its state is known rather than whatever an earlier caller left.
     if kwargs["checkpoint_in_cpu"] and not kwargs["partition_activations"]:
         from deepspeed.accelerator import get_accelerator
 
@@ -103,6 +101,8 @@ def apply(model: nn.Module, policy: Policy, handle: Any, mpu: Any) -> None:
                 "accelerator offloads nothing useful and its backward fails; set "
                 "`cpu_checkpointing: false` to run on the CPU"
             )
+    # checkpoint.mode none: nothing is routed, but DeepSpeed is still configured explicitly
+    # (to its defaults), so its state is known rather than whatever an earlier caller left.
     selected = [] if route is None else select_modules(model, tuple(route["modules"]), route["every"])
     if kwargs["contiguous_checkpointing"] and kwargs["num_checkpoints"] < len(selected):
         raise PolicyApplyError(
@@ -128,9 +128,12 @@ def apply(model: nn.Module, policy: Policy, handle: Any, mpu: Any) -> None:
 
     saved = {name: getattr(ckpt, name) for name in _STATE}
     entry = (kwargs, mpu, saved)
-    ckpt.configure(mpu, **kwargs)
     _LIVE.append(entry)
-    handle._undo.append(lambda: _restore(entry))
+    handle._undo.append(lambda: _restore(entry))  # also undoes a configure() that failed half-way
+    try:
+        ckpt.configure(mpu, **kwargs)
+    except (AssertionError, TypeError, ValueError, AttributeError) as e:
+        raise PolicyApplyError(f"deepspeed.checkpointing.configure refused the policy: {e!r}") from e
     state = read_back(ckpt)
     differ = {k: (v, state[k]) for k, v in kwargs.items() if state[k] != v}
     if not ckpt.is_configured():
@@ -140,7 +143,8 @@ def apply(model: nn.Module, policy: Policy, handle: Any, mpu: Any) -> None:
     if differ:
         raise PolicyApplyError(
             "DeepSpeed's activation-checkpointing state after configure() differs from the "
-            "policy: " + "; ".join(f"{k}: wanted {w!r}, DeepSpeed has {h!r}" for k, (w, h) in differ.items())
+            "policy: " + "; ".join(f"{k}: wanted {w!r}, DeepSpeed has {h!r}"
+                                   for k, (w, h) in differ.items())
         )
 
     from actcfg.runtime import _override_forward

@@ -325,6 +325,23 @@ def test_a_state_mismatch_after_configure_fails_loudly_and_undoes(ckpt, monkeypa
     assert ds_globals(ckpt) == DEFAULTS
 
 
+def test_a_configure_that_fails_half_way_is_undone(ckpt, monkeypatch):
+    ckpt.configure(None, synchronize=True)
+    real = ckpt.configure
+
+    def failing(mpu, **kwargs):  # resets the globals, then asserts, as DeepSpeed's own checks do
+        real(mpu, **{**kwargs, "synchronize": False})
+        raise AssertionError("Must specify the number of layers with contiguous memory checkpointing")
+
+    monkeypatch.setattr(ckpt, "configure", failing)
+    model, _ = small_blocks()
+    with pytest.raises(PolicyApplyError, match=r"^deepspeed\.checkpointing\.configure refused the "
+                       r"policy: AssertionError\('Must specify the number of layers"):
+        apply(model, ds_policy())
+    assert ds_globals(ckpt) == {**DEFAULTS, "synchronize": True}
+    assert _deepspeed_route._LIVE == []
+
+
 def test_no_grad_forward_bypasses_deepspeed(ckpt, monkeypatch):
     model, x = small_blocks()
     plain = copy.deepcopy(model)
