@@ -2,7 +2,8 @@
 
 No I/O and no torch: this module is imported by `actcfg validate`, which must stay light.
 Every model is strict (unknown keys are errors, a quoted "false" is not a boolean) and
-frozen, and every field carries a docstring that becomes its description in `actcfg schema`.
+frozen, and every field carries a docstring that becomes its description in `actcfg schema`
+(through `_descriptions.py`, generated from those docstrings).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import PydanticCustomError
+
+from actcfg._descriptions import DESCRIPTIONS as _DOC
 
 __all__ = [
     "Backend",
@@ -144,46 +147,49 @@ ModulePattern = Annotated[StrictStr, Field(min_length=1)]
 
 
 class _Strict(BaseModel):
-    """Shared strictness: unknown keys are errors, values are frozen, defaults validated."""
+    """Shared strictness: unknown keys are errors, values are frozen, defaults validated.
 
-    model_config = ConfigDict(
-        extra="forbid", frozen=True, use_attribute_docstrings=True, validate_default=True
-    )
+    Each field's description is the docstring under it, as with `use_attribute_docstrings=True`,
+    but read from `_descriptions.py` (generated from this file; tests/test_descriptions.py keeps
+    it in sync): Pydantic would re-read this source on every import, ~9 ms of `actcfg validate`.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
 class NoCheckpoint(_Strict):
     """No activation checkpointing: autograd saves every activation it needs."""
 
-    mode: Literal["none"]
+    mode: Literal["none"] = Field(description=_DOC["NoCheckpoint.mode"])
     """`none`: no recomputation."""
 
 
 class _Checkpointed(_Strict):
-    modules: tuple[ModulePattern, ...] = Field(min_length=1)
+    modules: tuple[ModulePattern, ...] = Field(min_length=1, description=_DOC["_Checkpointed.modules"])
     """Which submodules are checkpointed: fnmatch patterns, each matched against a
     module's class name and its qualified name (`GPT2Block`, `layers.*`)."""
 
-    every: StrictInt = Field(1, ge=1)
+    every: StrictInt = Field(1, ge=1, description=_DOC["_Checkpointed.every"])
     """Checkpoint every n-th matched module in module order (the n-th, 2n-th, ...); 1 = all."""
 
-    reentrant: StrictBool = False
+    reentrant: StrictBool = Field(False, description=_DOC["_Checkpointed.reentrant"])
     """torch only: use torch's reentrant checkpoint (default: non-reentrant, as torch advises)."""
 
 
 class FullCheckpoint(_Checkpointed):
     """Keep only each checkpointed module's inputs; recompute its insides in backward."""
 
-    mode: Literal["full"]
+    mode: Literal["full"] = Field(description=_DOC["FullCheckpoint.mode"])
     """`full`: whole-module recomputation."""
 
 
 class SelectiveCheckpoint(_Checkpointed):
     """torch only: keep the outputs of expensive ops, recompute the cheap ones."""
 
-    mode: Literal["selective"]
+    mode: Literal["selective"] = Field(description=_DOC["SelectiveCheckpoint.mode"])
     """`selective`: op-level recomputation (torch `create_selective_checkpoint_contexts`)."""
 
-    save_ops: tuple[OpName, ...] = DEFAULT_SAVE_OPS
+    save_ops: tuple[OpName, ...] = Field(DEFAULT_SAVE_OPS, description=_DOC["SelectiveCheckpoint.save_ops"])
     """Ops whose outputs are saved, as `namespace.op` (`aten.mm`); every other op is recomputed."""
 
 
@@ -336,43 +342,43 @@ def check_rules(policy: Policy, backends: tuple[Backend, ...] = ()) -> list[Find
 class Policy(_Strict):
     """An activation-memory policy: what is recomputed, partitioned and offloaded."""
 
-    version: Literal[1]
+    version: Literal[1] = Field(description=_DOC["Policy.version"])
     """Schema version of this file; this actcfg reads version 1."""
 
-    backend: Backend = Backend.TORCH
+    backend: Backend = Field(Backend.TORCH, description=_DOC["Policy.backend"])
     """Backend that `actcfg.apply` and `actcfg translate` use unless told otherwise."""
 
-    checkpoint: Checkpoint = NoCheckpoint(mode="none")
+    checkpoint: Checkpoint = Field(NoCheckpoint(mode="none"), description=_DOC["Policy.checkpoint"])
     """Activation checkpointing: which modules recompute their activations in backward."""
 
-    partition: StrictBool = False
+    partition: StrictBool = Field(False, description=_DOC["Policy.partition"])
     """DeepSpeed only: split checkpointed activations across model-parallel ranks
     (DeepSpeed `partition_activations`)."""
 
-    cpu_checkpointing: StrictBool = False
+    cpu_checkpointing: StrictBool = Field(False, description=_DOC["Policy.cpu_checkpointing"])
     """Keep checkpointed inputs in host memory until backward (DeepSpeed `cpu_checkpointing`);
     torch with `checkpoint.mode: none` offloads every saved activation."""
 
-    pin: StrictBool = True
+    pin: StrictBool = Field(True, description=_DOC["Policy.pin"])
     """torch only: offload into page-locked (pinned) host buffers, which copy about 4x faster."""
 
-    pin_budget: Size | None = None
+    pin_budget: Size | None = Field(None, description=_DOC["Policy.pin_budget"])
     """torch only: most pinned host memory the offload engine holds, in bytes or a human size
     (`16GiB`); past it, pageable memory. Unset: as much as one step needs."""
 
-    contiguous: StrictBool = False
+    contiguous: StrictBool = Field(False, description=_DOC["Policy.contiguous"])
     """DeepSpeed only: pack partitioned activations into one preallocated buffer
     (DeepSpeed `contiguous_memory_optimization`); needs `partition` and `num_checkpoints`."""
 
-    num_checkpoints: StrictInt | None = Field(None, ge=1)
+    num_checkpoints: StrictInt | None = Field(None, ge=1, description=_DOC["Policy.num_checkpoints"])
     """DeepSpeed only: checkpointed calls per step, sizing the contiguous buffers
     (DeepSpeed `number_checkpoints`)."""
 
-    synchronize: StrictBool = False
+    synchronize: StrictBool = Field(False, description=_DOC["Policy.synchronize"])
     """DeepSpeed only: synchronize the device at every checkpoint boundary
     (DeepSpeed `synchronize_checkpoint_boundary`); for debugging and timing."""
 
-    profile: StrictBool = False
+    profile: StrictBool = Field(False, description=_DOC["Policy.profile"])
     """DeepSpeed only: time checkpoint forward and backward passes (DeepSpeed `profile`)."""
 
     @model_validator(mode="after")
