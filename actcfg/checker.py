@@ -7,7 +7,6 @@ file and a hint that names the accepted choices or the fix; the cross-field rule
 
 from __future__ import annotations
 
-import difflib
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -18,7 +17,6 @@ from actcfg.diagnostics import Diagnostic
 from actcfg.errors import ConfigLoadError
 from actcfg.loader import YAML11_BOOLS, Document, LoadFailure, kind_of, parse_document, read_document
 from actcfg.schema import CHECKPOINT_MODES, Backend, Finding, Policy, check_rules, user_path
-from actcfg.suggest import keys_at, suggest
 
 __all__ = ["check_data", "check_file", "check_text", "load"]
 
@@ -101,6 +99,9 @@ def _from_error(error: Mapping[str, Any], data: Any, doc: Document | None, name:
     where = _dotted(path)
     locate_key = False
     if code == "unknown-key":
+        # Imported here: a valid file (the common, timed case) needs neither.
+        from actcfg.suggest import keys_at, suggest
+
         parent, key = path[:-1], path[-1]
         mode = data.get("checkpoint", {}).get("mode") if isinstance(data.get("checkpoint"), dict) else None
         valid = keys_at(parent, mode if isinstance(mode, str) else None)
@@ -121,6 +122,8 @@ def _from_error(error: Mapping[str, Any], data: Any, doc: Document | None, name:
         tag = ctx.get("tag")
         path = (*path, "mode")
         message = f"`checkpoint.mode` is {_shown(tag)}, which is not a checkpoint mode"
+        import difflib
+
         close = difflib.get_close_matches(str(tag), CHECKPOINT_MODES, n=1, cutoff=0.6)
         hint = "choose one of none, full, selective" + (f"; did you mean `{close[0]}`?" if close else "")
     elif kind in ("enum", "literal_error"):
@@ -130,6 +133,8 @@ def _from_error(error: Mapping[str, Any], data: Any, doc: Document | None, name:
             hint = "this actcfg reads `version: 1`"
         else:
             choices = [c.strip() for c in expected.replace(" or ", ",").split(",") if c.strip()]
+            import difflib
+
             close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.6)
             hint = f"choose one of {', '.join(choices)}" + (f"; did you mean `{close[0]}`?" if close else "")
     elif code == "wrong-type":

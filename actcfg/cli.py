@@ -8,7 +8,6 @@ Adding a subcommand is one `_add_<name>` function and one entry in `COMMANDS`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -86,6 +85,8 @@ def _add_validate(sub: Any) -> None:
 
 
 def _schema(args: argparse.Namespace) -> int:
+    import json  # json is imported by the commands that print it, not by validate
+
     _out(json.dumps(policy_json_schema(), indent=2) + "\n", args.output)
     return 0
 
@@ -115,6 +116,8 @@ def _read_json(path: str) -> tuple[Any, list[Diagnostic]]:
 
 
 def _translate(args: argparse.Namespace) -> int:
+    import json
+
     from actcfg.translate import merge_ds_config, translate
 
     try:

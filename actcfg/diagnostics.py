@@ -5,7 +5,6 @@ Reporters return text; the CLI decides where it goes. Library code never prints.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from typing import Literal, Protocol
 
@@ -94,6 +93,8 @@ class JsonReporter:
     """One JSON object: `{"status": "ok"|"invalid", "errors": [...]}`, warnings included."""
 
     def render(self, result: Result, strict: bool = False) -> str:
+        import json  # here, not above: the default text output does not need it
+
         body = {
             "status": "ok" if result.success(strict) else "invalid",
             "errors": [asdict(d) for d in result.diagnostics],
