@@ -211,11 +211,11 @@ def test_schema_rejects_invalid_files(name):
         jsonschema.Draft7Validator(policy_json_schema()).validate(data)
 
 
-def test_keys_md_documents_every_key():
+def test_readme_key_table_documents_every_key():
     import re
 
     from actcfg.suggest import keys_at
 
-    rows = re.findall(r"^\| `([a-z_.]+)` \|", (ROOT / "docs" / "keys.md").read_text(), re.M)
+    rows = re.findall(r"^\| `([a-z_.]+)` \|", (ROOT / "README.md").read_text(), re.M)
     expected = [*keys_at(()), *(f"checkpoint.{k}" for k in keys_at(("checkpoint",), "selective"))]
     assert sorted(rows) == sorted(expected)
