@@ -8,6 +8,8 @@ Adding a subcommand is one `_add_<name>` function and one entry in `COMMANDS`.
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -266,6 +268,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI with `argv` (default: sys.argv[1:]); returns the exit code."""
+    if argv is None:
+        # Run as the `actcfg` program, so the process ends after this call. Freezing the heap at
+        # exit spares the interpreter's final garbage collections over the ~30k objects that
+        # Pydantic and typing leave: ~25 ms of a ~200 ms cold `actcfg validate`. Only what is
+        # left at exit is affected (cycles are not finalized; the OS frees the memory), and the
+        # in-process callers that pass `argv`, such as the tests, are not affected at all.
+        atexit.register(gc.freeze)
     try:
         try:
             args = _parser().parse_args(argv)
