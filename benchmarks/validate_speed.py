@@ -8,6 +8,8 @@ files per second in-process.
    actcfg's own modules are compiled from source on every run, which an installed actcfg
    never does; a second line then measures with bytecode cached (in a temporary
    PYTHONPYCACHEPREFIX, so the checkout is not touched).
+   A third line times the floor under it: a fresh interpreter that imports PyYAML and
+   Pydantic and validates one one-field model.
 2. Where that time goes: the same work in a fresh interpreter with a timer around each
    phase (median of --runs per phase).
 3. Cold wall time of parsing the same policy through DeepSpeed: a fresh interpreter that
@@ -42,6 +44,19 @@ section = {"partition_activations": False, "contiguous_memory_optimization": Fal
            "synchronize_checkpoint_boundary": False, "profile": False}
 config = DeepSpeedActivationCheckpointingConfig({"activation_checkpointing": section})
 assert config.cpu_checkpointing is True
+"""
+
+# The least any PyYAML + Pydantic validator pays cold: both imports, one model with a
+# constraint, one validation, and the heap frozen at exit as `actcfg` does. What actcfg
+# adds is the difference.
+FLOOR = """
+import atexit, gc
+atexit.register(gc.freeze)
+import yaml
+from pydantic import BaseModel, Field
+class Model(BaseModel):
+    every: int = Field(1, ge=1)
+Model.model_validate(yaml.safe_load("every: 2"))
 """
 
 # Each phase of a cold `actcfg validate`, timed in one fresh interpreter; prints name=ms pairs.
@@ -128,6 +143,7 @@ def main() -> None:
     variants: dict[str, tuple[list[str], dict[str, str] | None]] = {
         "ours": (validate, None),
         "bare": ([python, "-c", "pass"], None),
+        "floor": ([python, "-c", FLOOR], None),
     }
     with tempfile.TemporaryDirectory() as prefix:
         if sys.flags.dont_write_bytecode:
@@ -145,6 +161,8 @@ def main() -> None:
     ours, theirs = median["ours"], median.get("deepspeed")
     print(f"actcfg validate, cold:        {ours * 1000:7.1f} ms  (median of {args.runs}; "
           f"bare interpreter {median['bare'] * 1000:.1f} ms)")
+    print(f"  dependency floor:           {median['floor'] * 1000:7.1f} ms  (import yaml and pydantic, "
+          "build and validate one model; no actcfg)")
     if "cached" in median:
         print(f"  with bytecode cached:       {median['cached'] * 1000:7.1f} ms  (as installed; "
               "PYTHONDONTWRITEBYTECODE is set here, so the line above compiles actcfg each run)")
