@@ -201,7 +201,7 @@ def _add_import(sub: Any) -> None:
 
 def _verify(args: argparse.Namespace) -> int:
     # Imported here, not above: verify measures with torch, and validate must never load it.
-    from actcfg.verify import DEFAULT_MODEL, load_factory, require_cuda, verify
+    from actcfg.verify import DEFAULT_MODEL, ensure_deepspeed_process_group, load_factory, require_cuda, verify
     from actcfg.verify_report import REPORTER_BY_NAME as RENDERERS
     from actcfg.verify_report import plot_memory, require_plotting
 
@@ -216,6 +216,8 @@ def _verify(args: argparse.Namespace) -> int:
         require_cuda()
         if args.plot:
             require_plotting()
+        if (args.backend or policy.backend) == "deepspeed":
+            ensure_deepspeed_process_group()
     except ActcfgError as e:
         raise _Usage(str(e)) from None
     report = verify(factory, policy, steps=args.steps, backend=args.backend)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -607,6 +608,32 @@ def require_cuda() -> None:
     if not torch.cuda.is_available():
         raise VerifyError("actcfg verify measures GPU memory and needs a CUDA GPU, but "
                           "torch.cuda.is_available() is False here: run it on a GPU machine")
+
+
+def ensure_deepspeed_process_group() -> None:
+    """Start a one-process NCCL group for DeepSpeed when no launcher started one.
+
+    DeepSpeed's `configure` asks torch.distributed for the rank even on one GPU, so the CLI's
+    `verify` of a DeepSpeed policy would otherwise fail before measuring anything. Under a
+    launcher (WORLD_SIZE set) or with a group already up, nothing is done.
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    if (dist.is_available() and dist.is_initialized()) or "WORLD_SIZE" in os.environ:
+        return
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise VerifyError("this policy's backend is deepspeed: pip install actcfg[deepspeed]") from e
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", "0"),
+                       ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
+    deepspeed.init_distributed(dist_backend="nccl")
 
 
 def verify(
