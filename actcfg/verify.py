@@ -566,32 +566,21 @@ def _pinned_pool_bytes() -> int | None:
     return None if stats is None else int(stats().get("allocated_bytes.current", 0))
 
 
-def _engine(handle: Any) -> Any:
-    """The handle's offload engine (anything with `.stats`), under `.engine` or `.offload`."""
-    for attr in ("engine", "offload"):
-        found = getattr(handle, attr, None)
-        if found is not None and hasattr(found, "stats"):
-            return found
-    return None
-
-
 def _blocks(handle: Any, model: nn.Module) -> tuple[str, ...]:
     """What memory is measured after: the checkpointed modules, else the offload groups,
     else the model's top-level children."""
-    groups = getattr(handle, "groups", None)
-    offload = getattr(handle, "offload", None)
-    if not groups and isinstance(offload, Mapping):
-        groups = offload.get("groups")
-    return tuple(getattr(handle, "checkpointed", None) or groups
-                 or (name for name, _ in model.named_children()))
+    if handle.checkpointed:
+        return tuple(handle.checkpointed)
+    if handle.offload is not None and handle.offload["groups"]:
+        return tuple(handle.offload["groups"])
+    return tuple(name for name, _ in model.named_children())
 
 
 def _host_bytes(handle: Any, pool_before: int | None) -> tuple[int | None, int | None]:
     """Host memory the policy used: the offload engine's own account, else (DeepSpeed) what
     torch's pinned host allocator grew by; pageable memory is unknown then."""
-    engine = _engine(handle)
-    if engine is not None:
-        stats = engine.stats
+    if handle.engine is not None:
+        stats = handle.engine.stats
         return int(stats.pinned_bytes), int(stats.pageable_bytes)
     pool_after = _pinned_pool_bytes()
     if pool_before is None or pool_after is None:
@@ -651,7 +640,9 @@ def verify(
 
     `cfg` is anything `actcfg.load` takes. `inputs` overrides the factory's example inputs;
     `loss_fn(output) -> scalar` defaults to the fp32 sum of squares of the first output.
-    `apply` replaces `actcfg.runtime.apply` (tests inject broken ones). Raises VerifyError
+    `apply` replaces `actcfg.runtime.apply` (tests inject broken ones); what it returns must
+    have the `actcfg.runtime.AppliedPolicy` attributes verify reads: `checkpointed`, `offload`,
+    `engine`, `deepspeed` and `remove()`. Raises VerifyError
     without a CUDA GPU: what is measured is GPU memory.
     """
     from actcfg.checker import load

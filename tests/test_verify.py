@@ -402,21 +402,56 @@ def test_the_factory_contract():
         _split_inputs(3)
 
 
+def _handle(torch, model, **attrs):
+    """The runtime's own handle, with the attributes `apply` would have set."""
+    from actcfg.runtime import AppliedPolicy
+    from actcfg.schema import Backend
+
+    handle = AppliedPolicy(model, OFFLOAD, Backend.TORCH)
+    for name, value in attrs.items():
+        setattr(handle, name, value)
+    return handle
+
+
 def test_blocks_are_checkpointed_modules_else_offload_groups_else_top_level_children():
+    torch = pytest.importorskip("torch")
+    from actcfg.verify import _blocks
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    groups = {"groups": ["1"], "grouping": "top-level children of the model"}
+    assert _blocks(_handle(torch, model, checkpointed=("0",), offload=groups), model) == ("0",)
+    assert _blocks(_handle(torch, model, offload=groups), model) == ("1",)
+    assert _blocks(_handle(torch, model), model) == ("0", "1")
+
+
+def test_host_bytes_are_the_engines_account_read_from_handle_engine():
     torch = pytest.importorskip("torch")
     from types import SimpleNamespace
 
-    from actcfg.verify import _blocks, _engine
+    from actcfg.offload import OffloadStats
+    from actcfg.verify import _host_bytes
+
+    model = torch.nn.Linear(2, 2)
+    engine = SimpleNamespace(stats=OffloadStats(pinned_bytes=3, pageable_bytes=4))
+    offload = {"groups": ["0"], "grouping": "the checkpointed modules"}
+    assert _host_bytes(_handle(torch, model, engine=engine, offload=offload), None) == (3, 4)
+    assert _host_bytes(_handle(torch, model, offload=offload), None) == (None, None)
+
+
+def test_a_handle_without_the_runtimes_attributes_is_not_guessed_at():
+    # verify read `handle.groups` and an engine under `handle.offload`, which the runtime never
+    # sets: such a handle silently measured the wrong blocks instead of failing.
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from actcfg.offload import OffloadStats
+    from actcfg.verify import _blocks, _host_bytes
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
-    engine = SimpleNamespace(stats=object())
-    assert _blocks(SimpleNamespace(checkpointed=("0",), offload={"groups": ["1"]}), model) == ("0",)
-    assert _blocks(SimpleNamespace(checkpointed=(), offload={"groups": ["1"]}), model) == ("1",)
-    assert _blocks(SimpleNamespace(checkpointed=(), groups=("1",), offload=engine), model) == ("1",)
-    assert _blocks(SimpleNamespace(checkpointed=(), offload=None), model) == ("0", "1")
-    assert _engine(SimpleNamespace(engine=engine, offload={"groups": []})) is engine
-    assert _engine(SimpleNamespace(offload=engine)) is engine
-    assert _engine(SimpleNamespace(offload={"groups": []})) is None
+    with pytest.raises(AttributeError, match=r"'checkpointed'"):
+        _blocks(SimpleNamespace(groups=("1",)), model)
+    with pytest.raises(AttributeError, match=r"'engine'"):
+        _host_bytes(SimpleNamespace(offload=SimpleNamespace(stats=OffloadStats())), None)
 
 
 # --- gradient comparison and dtype, on CPU tensors ---------------------------------------------
