@@ -549,13 +549,18 @@ def _loosest_dtype(model: nn.Module, inputs: Any) -> str:
     return ranked[-1] if ranked else "float32"
 
 
-def _mp_size(mpu: Any) -> int:
+def _mp_size(handle: Any, mpu: Any) -> int:
+    """The model-parallel size the policy ran with: DeepSpeed's `mp_size` as `apply` read it back
+    after configure(), else what DeepSpeed would read from `mpu` (a process group, as `apply`
+    takes it, counts with its size)."""
+    if handle.deepspeed is not None:
+        return int(handle.deepspeed["state"]["mp_size"])
     if mpu is None:
         return 1
-    for getter in ("get_tensor_model_parallel_world_size", "get_model_parallel_world_size"):
-        if hasattr(mpu, getter):
-            return int(getattr(mpu, getter)())
-    return 1
+    # The runtime's own reading of `mpu`, so verify cannot judge a different size than it used.
+    from actcfg._deepspeed_route import _as_mpu, model_parallel_size
+
+    return model_parallel_size(_as_mpu(mpu))
 
 
 def _pinned_pool_bytes() -> int | None:
@@ -668,6 +673,7 @@ def verify(
 
     handle = apply(ours, policy, backend=chosen, mpu=mpu)
     try:
+        mp_size = _mp_size(handle, mpu)
         blocks = _blocks(handle, plain)
         if not blocks:
             raise VerifyError("the model has no submodules to measure memory after")
@@ -693,7 +699,7 @@ def verify(
         grads=grads,
         dtype=_loosest_dtype(plain, (args, kwargs)),
         steps=steps,
-        mp_size=_mp_size(mpu),
+        mp_size=mp_size,
         host_pinned_bytes=pinned,
         host_pageable_bytes=pageable,
     )

@@ -454,6 +454,50 @@ def test_a_handle_without_the_runtimes_attributes_is_not_guessed_at():
         _host_bytes(SimpleNamespace(offload=SimpleNamespace(stats=OffloadStats())), None)
 
 
+@pytest.fixture
+def two_rank_group():
+    """A torch.distributed world of two ranks in this one process (torch's fake backend)."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group yet")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mp_size_of_a_process_group_is_its_size(two_rank_group):
+    # apply() takes a ProcessGroup as mpu=; verify counted it as size 1 and failed `partition`.
+    torch = pytest.importorskip("torch")
+    from actcfg.verify import _mp_size
+
+    model = torch.nn.Linear(2, 2)
+    assert _mp_size(_handle(torch, model), two_rank_group) == 2
+    assert _mp_size(_handle(torch, model), None) == 1
+
+
+def test_mp_size_is_what_deepspeed_read_back_after_configure():
+    torch = pytest.importorskip("torch")
+    from actcfg.verify import _mp_size
+
+    handle = _handle(torch, torch.nn.Linear(2, 2), deepspeed={"state": {"mp_size": 4}})
+    assert _mp_size(handle, object()) == 4
+
+
+def test_mp_size_refuses_an_mpu_deepspeed_cannot_read():
+    torch = pytest.importorskip("torch")
+    from actcfg.errors import PolicyApplyError
+    from actcfg.verify import _mp_size
+
+    with pytest.raises(PolicyApplyError, match=r"^mpu='object' has neither get_tensor_model_par"):
+        _mp_size(_handle(torch, torch.nn.Linear(2, 2)), object())
+
+
 # --- gradient comparison and dtype, on CPU tensors ---------------------------------------------
 
 

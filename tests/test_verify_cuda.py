@@ -125,7 +125,7 @@ def test_deepspeed_configured_but_not_routed_fails_the_offload_promise(ds_env):
         ds_env.configure(None, **to_deepspeed(policy)["configure_kwargs"])
         assert ds_env.CPU_CHECKPOINT is True
         names = tuple(name for name, _ in model.named_children())
-        return SimpleNamespace(checkpointed=names, offload=None, engine=None,
+        return SimpleNamespace(checkpointed=names, offload=None, engine=None, deepspeed=None,
                                remove=ds_env._configure_defaults)
 
     report = verify(chain, DS_OFFLOAD, apply=configure_only)
@@ -186,7 +186,8 @@ def test_a_residual_reusing_a_deepspeed_emptied_input_fails_the_gradient_promise
             ds_env._configure_defaults()
 
         names = tuple(f"layers.{i}" for i in range(len(model.layers)))
-        return SimpleNamespace(checkpointed=names, offload=None, engine=None, remove=remove)
+        return SimpleNamespace(checkpointed=names, offload=None, engine=None, deepspeed=None,
+                               remove=remove)
 
     policy = {**DS_OFFLOAD, "checkpoint": {"mode": "full", "modules": ["Layer"]}}
     report = verify(residual_stack, policy, apply=route_by_hand)
