@@ -11,11 +11,12 @@ Inputs are a tensor, a tuple or list of positional arguments, or a dict of keywo
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import os
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +67,10 @@ PARTITION_SLACK = 1.25
 
 MIN_BLOCKS = 4
 """Fewest measured blocks for a growth rate over the second half of the stack."""
+
+STEP_SEED = 1234
+"""Step k of both runs starts from seed STEP_SEED + k, so dropout draws the same masks plain and
+under the policy (the caller's RNG state is put back afterwards)."""
 
 
 # --- measurements (plain data) ---------------------------------------------------------------
@@ -433,6 +438,27 @@ def default_loss(output: Any) -> torch.Tensor:
 # --- measurement (torch, CUDA) ----------------------------------------------------------------
 
 
+def _seed_step(step: int) -> None:
+    """Seed the CPU and every CUDA generator for `step`, the same in the plain and policy runs."""
+    import torch
+
+    seed = STEP_SEED + step
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+@contextlib.contextmanager
+def _caller_rng_kept() -> Iterator[None]:
+    """Put the caller's CPU and CUDA RNG states back after the seeded runs."""
+    import torch
+
+    # Every device: _seed_step seeds them all. Named explicitly, so fork_rng does not warn.
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+        yield
+
+
 def _measure(
     model: nn.Module,
     blocks: Sequence[str],
@@ -477,6 +503,7 @@ def _measure(
             model.zero_grad(set_to_none=True)
             a, k = _fresh(args), _fresh(kwargs)
             held[:] = [None] * len(modules)
+            _seed_step(step)
             torch.cuda.synchronize()
             state["baseline"] = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
@@ -678,15 +705,16 @@ def verify(
         if not blocks:
             raise VerifyError("the model has no submodules to measure memory after")
         sizes: list[int] = []
-        try:
-            plain_run = _measure(plain, blocks, args, kwargs, loss, steps, sizes)
-        except RuntimeError as e:
-            raise VerifyError(f"the model failed without the policy: {e}") from e
-        pool_before = _pinned_pool_bytes()
-        try:
-            policy_run = _measure(ours, blocks, args, kwargs, loss, steps)
-        except RuntimeError as e:
-            raise VerifyError(f"the model failed under the policy: {e}") from e
+        with _caller_rng_kept():
+            try:
+                plain_run = _measure(plain, blocks, args, kwargs, loss, steps, sizes)
+            except RuntimeError as e:
+                raise VerifyError(f"the model failed without the policy: {e}") from e
+            pool_before = _pinned_pool_bytes()
+            try:
+                policy_run = _measure(ours, blocks, args, kwargs, loss, steps)
+            except RuntimeError as e:
+                raise VerifyError(f"the model failed under the policy: {e}") from e
         grads = _grad_diffs(plain, ours)
         pinned, pageable = _host_bytes(handle, pool_before)
     finally:

@@ -498,6 +498,44 @@ def test_mp_size_refuses_an_mpu_deepspeed_cannot_read():
         _mp_size(_handle(torch, torch.nn.Linear(2, 2)), object())
 
 
+# --- RNG: both runs draw the same dropout masks; the caller's state is put back ----------------
+
+
+def _dropout_steps(torch, steps: int) -> list:
+    """What a train-mode Dropout draws in each step of one run, seeded as _measure seeds it."""
+    from actcfg.verify import _seed_step
+
+    drop = torch.nn.Dropout(0.5).train()
+    masks = []
+    for step in range(steps):
+        _seed_step(step)
+        masks.append(drop(torch.ones(256)) != 0)
+    return masks
+
+
+def test_the_plain_and_policy_runs_draw_the_same_dropout_masks_step_by_step():
+    # Unseeded, the policy run continued the plain run's RNG stream: other dropout masks, other
+    # gradients, and a false `gradients` failure for any model with dropout in train mode.
+    torch = pytest.importorskip("torch")
+    plain = _dropout_steps(torch, 3)
+    torch.rand(7)  # whatever the plain run drew outside the seeded steps
+    policy = _dropout_steps(torch, 3)
+    assert all(torch.equal(p, q) for p, q in zip(plain, policy))
+    assert not torch.equal(plain[0], plain[1])  # each step its own seed, not one mask for all
+
+
+def test_the_seeded_runs_put_the_callers_rng_state_back():
+    torch = pytest.importorskip("torch")
+    from actcfg.verify import _caller_rng_kept, _seed_step
+
+    torch.manual_seed(99)
+    before = torch.get_rng_state()
+    with _caller_rng_kept():
+        _seed_step(0)
+        torch.rand(5)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 # --- gradient comparison and dtype, on CPU tensors ---------------------------------------------
 
 
