@@ -183,7 +183,16 @@ def _failure(name: str, failure: LoadFailure) -> Diagnostic:
 
 
 def _backends(backends: _Backends) -> tuple[Backend, ...]:
-    return tuple(Backend(b) for b in backends)
+    out: list[Backend] = []
+    for b in backends:
+        try:
+            out.append(Backend(b))
+        except ValueError as e:
+            choices = ", ".join(c.value for c in Backend)
+            raise ConfigLoadError(
+                f"backends: {b!r} is not a backend; choose one of {choices}"
+            ) from e
+    return tuple(out)
 
 
 def _validate(

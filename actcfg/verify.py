@@ -681,8 +681,12 @@ def verify(
 
     if steps < 1:
         raise VerifyError(f"steps must be at least 1, got {steps}")
+    try:
+        chosen = Backend(backend) if backend is not None else None
+    except ValueError as e:
+        choices = ", ".join(c.value for c in Backend)
+        raise VerifyError(f"backend={backend!r} is not a backend; choose one of {choices}") from e
     require_cuda()
-    chosen = Backend(backend) if backend is not None else None
     policy = load(cfg, backends=(chosen,) if chosen is not None else ())
     if apply is None:
         from actcfg.runtime import apply as default_apply

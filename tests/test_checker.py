@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from actcfg.checker import check_file, load
+from actcfg.checker import check_file, check_text, load
 from actcfg.diagnostics import Diagnostic
 from actcfg.errors import ConfigLoadError
 from actcfg.schema import Backend, Policy
@@ -174,6 +174,16 @@ def test_load_policy_rechecked_against_backends():
     policy = Policy(version=1, cpu_checkpointing=True)
     with pytest.raises(ConfigLoadError, match="needs-checkpointing"):
         load(policy, backends=("deepspeed",))
+
+
+@pytest.mark.parametrize("call", [
+    lambda: load("version: 1\n", backends=["deepsped"]),
+    lambda: check_text("version: 1\n", backends=("torch", "deepsped")),
+])
+def test_an_unknown_backend_is_a_config_load_error_with_the_choices(call):
+    with pytest.raises(ConfigLoadError,
+                       match=r"^backends: 'deepsped' is not a backend; choose one of deepspeed, torch$"):
+        call()
 
 
 def test_load_refuses_other_types():

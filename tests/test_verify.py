@@ -610,6 +610,12 @@ def test_verify_refuses_zero_steps():
         verify(lambda: None, OFFLOAD, steps=0)
 
 
+def test_verify_refuses_an_unknown_backend_with_the_choices():
+    with pytest.raises(VerifyError, match=r"^backend='deepsped' is not a backend; choose one of "
+                                          r"deepspeed, torch$"):
+        verify(lambda: None, OFFLOAD, backend="deepsped")
+
+
 def test_judging_and_rendering_import_no_torch():
     code = ("import sys, actcfg.verify, actcfg.verify_report; "
             "print('torch' in sys.modules)")
