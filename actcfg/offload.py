@@ -76,7 +76,13 @@ class OffloadStats:
 
 
 class _HostPool:
-    """Host buffers keyed by size, reused across steps; pinned ones bounded by a budget."""
+    """Host buffers reused across steps, served best-fit by size; pinned ones bounded by a budget.
+
+    A request takes the smallest free buffer that holds it and is at most twice its size (an
+    exact fit when shapes repeat, as they do step after step); only a miss allocates. With shapes
+    that vary from step to step the pool can still grow past one step's need: `pin_budget`
+    bounds the pinned part.
+    """
 
     def __init__(self, pin: bool, pin_budget: int | None, stats: OffloadStats) -> None:
         self._pin = pin
@@ -86,14 +92,17 @@ class _HostPool:
         self._registered: list[torch.Tensor] = []
         self._pin_failed = False
         self._warned = False
-        self._lock = threading.Lock()
+        # Reentrant: a chunk's __del__ (which releases its buffer) can run from garbage
+        # collection in the middle of acquire() on the same thread.
+        self._lock = threading.RLock()
 
     def acquire(self, nbytes: int) -> tuple[torch.Tensor, torch.cuda.Event | None, bool]:
-        """A uint8 host buffer of `nbytes`, the event its last reader recorded, and whether it is pinned."""
+        """A uint8 host buffer of at least `nbytes`, the event its last reader recorded, and
+        whether it is pinned. Use its first `nbytes`; release the whole buffer."""
         with self._lock:
-            free = self._free.get(nbytes)
-            if free:
-                return free.pop()
+            fits = [size for size, free in self._free.items() if free and nbytes <= size <= 2 * nbytes]
+            if fits:
+                return self._free[min(fits)].pop()
         buffer = self._new_pinned(nbytes) if self._pin else None
         if buffer is not None:
             return buffer, None, True
@@ -199,7 +208,7 @@ class _Chunk:
     (Layout matters: a backward kernel may be built for the strides it saw in forward.)"""
 
     __slots__ = (
-        "__weakref__", "group", "device", "nbytes", "gpu", "host", "pinned", "reloaded",
+        "__weakref__", "group", "device", "nbytes", "gpu", "host", "buffer", "pinned", "reloaded",
         "pool", "last_reader", "views",
     )
 
@@ -210,7 +219,8 @@ class _Chunk:
         self.nbytes = storage.nbytes()
         # uint8 over the whole storage: holds it alive until the host copy is safe
         self.gpu: torch.Tensor | None = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
-        self.host: torch.Tensor | None = None
+        self.host: torch.Tensor | None = None  # the first nbytes of `buffer`
+        self.buffer: torch.Tensor | None = None  # the pool's buffer, returned whole
         self.pinned = False
         self.reloaded: torch.Tensor | None = None
         self.pool = pool
@@ -228,9 +238,9 @@ class _Chunk:
     def __del__(self) -> None:
         # Every saved view of this storage is gone: its host buffer can serve the next step,
         # once the last copy that reads or writes it has finished.
-        if getattr(self, "host", None) is not None:
+        if getattr(self, "buffer", None) is not None:
             try:
-                self.pool.release(self.host, self.last_reader, self.pinned)
+                self.pool.release(self.buffer, self.last_reader, self.pinned)
             except Exception:  # interpreter shutdown: the pool may be gone already
                 pass
 
@@ -406,11 +416,12 @@ class OffloadEngine:
                 for ref in chunk.views:
                     if (saved := ref()) is not None:
                         saved.check_version()
-                host, last_reader, pinned = self._pool.acquire(chunk.nbytes)
+                buffer, last_reader, pinned = self._pool.acquire(chunk.nbytes)
                 if last_reader is not None:
                     self._d2h.wait_event(last_reader)  # the reload that last read this buffer
+                host = buffer[: chunk.nbytes]
                 host.copy_(chunk.gpu, non_blocking=pinned)
-                chunk.host, chunk.pinned = host, pinned
+                chunk.host, chunk.buffer, chunk.pinned = host, buffer, pinned
                 st.offloaded_bytes += chunk.nbytes
                 st.offloaded_tensors += 1
             group.d2h_done = self._d2h.record_event()
@@ -492,6 +503,9 @@ class OffloadEngine:
         with torch.cuda.stream(self._h2d):
             for chunk, gpu in zip(targets, destinations):
                 gpu.copy_(chunk.host, non_blocking=chunk.pinned)
+                # If the chunk dies before any view of it is unpacked (backward stopped early),
+                # its memory goes back to the compute stream: make that wait for this copy.
+                gpu.record_stream(self._h2d)
                 # Held by the chunk, which dies with the last saved view of it: the reloaded
                 # storage lives as long as backward still needs one of its views.
                 chunk.reloaded = gpu
