@@ -12,8 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from actcfg._wrap import grad_path, inner_forward, override_forward, select_modules
 from actcfg.errors import PolicyApplyError, TranslationError
 from actcfg.schema import Policy
+
+__all__ = ["apply", "fresh_alias", "model_parallel_size", "mpu_from_group", "read_back"]
 
 # configure() kwarg -> the global of deepspeed/runtime/activation_checkpointing/checkpointing.py
 # it sets (ckpt.py:1202-1226).
@@ -62,15 +65,12 @@ def _as_mpu(mpu: Any) -> Any:
     import torch.distributed as dist
 
     if mpu is not None and dist.is_available() and isinstance(mpu, dist.ProcessGroup):
-        from actcfg.runtime import mpu_from_group
-
         return mpu_from_group(mpu)
     return mpu
 
 
 def apply(model: nn.Module, policy: Policy, handle: Any, mpu: Any) -> None:
     """Configure DeepSpeed for `policy`, verify its state and route the selected modules."""
-    from actcfg.runtime import select_modules
     from actcfg.translate import to_deepspeed
 
     ckpt = _deepspeed()
@@ -87,7 +87,7 @@ def apply(model: nn.Module, policy: Policy, handle: Any, mpu: Any) -> None:
             "partition: true needs a model-parallel group larger than one, and "
             + ("no mpu= was given" if mpu is None else f"mpu= has model-parallel size {mp_size}")
             + ": DeepSpeed would shard nothing, and on one GPU its partition path returned wrong "
-            "gradients (BACKENDS.md section 7); pass mpu= with model-parallel size > 1, "
+            "gradients in three of four small models; pass mpu= with model-parallel size > 1, "
             "or set `partition: false`"
         )
     if kwargs["checkpoint_in_cpu"] and not kwargs["partition_activations"]:
@@ -147,11 +147,9 @@ def apply(model: nn.Module, policy: Policy, handle: Any, mpu: Any) -> None:
                                    for k, (w, h) in differ.items())
         )
 
-    from actcfg.runtime import _override_forward
-
     forward = _DeepSpeedForward()
     for name, module in selected:
-        _override_forward(handle, name, module, forward, "routed through deepspeed.checkpointing.checkpoint")
+        override_forward(handle, name, module, forward, "routed through deepspeed.checkpointing.checkpoint")
     handle.checkpointed = tuple(n for n, _ in selected)
     handle.checkpoint_api = "deepspeed.checkpointing.checkpoint"
     handle.deepspeed = {
@@ -222,8 +220,6 @@ class _DeepSpeedForward:
     """
 
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        from actcfg.runtime import grad_path, inner_forward
-
         fn = inner_forward(module)
         if not torch.is_grad_enabled():
             # No graph, nothing to recompute: DeepSpeed would only copy (and, with contiguous
@@ -239,3 +235,48 @@ class _DeepSpeedForward:
             # reset() clears them so the next step starts clean.
             ckpt.reset()
             raise
+
+
+def mpu_from_group(group: Any) -> Any:
+    """A DeepSpeed model-parallel unit (mpu) for a torch.distributed process group."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise PolicyApplyError(
+            "mpu_from_group needs torch.distributed initialised: call "
+            "deepspeed.init_distributed() (or torch.distributed.init_process_group) first"
+        )
+    return _GroupMPU(group)
+
+
+class _GroupMPU:
+    """The model-parallel queries DeepSpeed's activation checkpointing makes, on one group."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def get_model_parallel_rank(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank(self.group)
+
+    def get_model_parallel_world_size(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size(self.group)
+
+    def get_model_parallel_group(self) -> Any:
+        return self.group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _GroupMPU) and other.group is self.group
+
+    def __hash__(self) -> int:
+        return id(self.group)
+
+    def __repr__(self) -> str:
+        return f"<actcfg mpu: model-parallel size {self.get_model_parallel_world_size()}>"

@@ -10,29 +10,28 @@ reverse by `AppliedPolicy.remove()` (and by `apply` itself if it fails half-way)
 
 from __future__ import annotations
 
-import fnmatch
 import functools
 import importlib
 import logging
-import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from actcfg._deepspeed_route import apply as route_through_deepspeed
+from actcfg._deepspeed_route import mpu_from_group
+from actcfg._wrap import WRAPPED, grad_path, inner_forward, override_forward, select_modules
 from actcfg.errors import PolicyApplyError, TranslationError
 from actcfg.schema import Backend, Policy, format_size
 
-__all__ = ["AppliedPolicy", "apply", "mpu_from_group"]
+__all__ = ["AppliedPolicy", "apply", "block_groups", "mpu_from_group", "resolve_ops", "select_modules"]
 
 log = logging.getLogger("actcfg")
 
 # Set in a module's __dict__ by apply; copy.deepcopy carries them, so a copy of an applied
 # model is recognised too (applying to it again would wrap twice).
 _APPLIED = "_actcfg_applied"
-_WRAPPED = "_actcfg_wrapped"
-_INNER_FORWARD = "_actcfg_inner_forward"
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
 
 
@@ -180,7 +179,7 @@ def _backend(value: Backend | str) -> Backend:
 def _refuse_if_applied(model: nn.Module) -> None:
     for name, module in model.named_modules():
         where = f"`{name}`" if name else "the model"
-        carried = module.__dict__.get(_APPLIED) or module.__dict__.get(_WRAPPED)
+        carried = module.__dict__.get(_APPLIED) or module.__dict__.get(WRAPPED)
         if carried:
             raise PolicyApplyError(
                 f"{where} already carries an actcfg policy ({carried}); "
@@ -192,89 +191,6 @@ def _refuse_if_applied(model: nn.Module) -> None:
                 f"{where} is already checkpointed by torch.distributed._composable.checkpoint; "
                 "actcfg would checkpoint it twice: remove that call, or do not apply a policy"
             )
-
-
-# --- module selection --------------------------------------------------------------------
-
-
-def _matches(pattern: str, name: str, module: nn.Module) -> bool:
-    """fnmatch on the class name; on the qualified name segment by segment, so that `*` never
-    crosses a dot (`layers.*` is `layers.0`, not `layers.0.mlp.fc1`)."""
-    if fnmatch.fnmatchcase(type(module).__name__, pattern):
-        return True
-    if not name:
-        return False
-    parts, want = name.split("."), pattern.split(".")
-    return len(parts) == len(want) and all(fnmatch.fnmatchcase(p, w) for p, w in zip(parts, want))
-
-
-def select_modules(model: nn.Module, patterns: tuple[str, ...], every: int) -> list[tuple[str, nn.Module]]:
-    """The (name, module) pairs `checkpoint.modules`/`every` select, in module order.
-
-    PolicyApplyError for a pattern that matches nothing, a module matched together with one of
-    its descendants (nested checkpointing), or a container with no forward of its own.
-    """
-    named = list(model.named_modules())
-    matched: list[tuple[str, nn.Module]] = []
-    for pattern in patterns:
-        if not any(_matches(pattern, n, m) for n, m in named):
-            classes = sorted({type(m).__name__ for _, m in named})
-            names = [n for n, _ in named if n][:6]
-            raise PolicyApplyError(
-                f"checkpoint.modules: pattern {pattern!r} matches no module of "
-                f"{type(model).__name__}; class names here: {', '.join(classes[:8])}"
-                f"{', ...' if len(classes) > 8 else ''}; qualified names: {', '.join(names)}"
-                f"{', ...' if len(named) - 1 > 6 else ''}"
-            )
-    for n, m in named:
-        if any(_matches(p, n, m) for p in patterns):
-            matched.append((n, m))
-    for i, (outer, om) in enumerate(matched):
-        for inner, im in matched[i + 1:]:
-            if not outer or inner.startswith(outer + "."):
-                raise PolicyApplyError(
-                    f"checkpoint.modules: {_label(outer, om)} and its submodule {_label(inner, im)} "
-                    "are both matched: nested checkpointing recomputes the inner module twice; "
-                    "narrow the patterns so that only one of them matches"
-                )
-    for n, m in matched:
-        if type(m).forward is nn.Module.forward:
-            raise PolicyApplyError(
-                f"checkpoint.modules: {_label(n, m)} has no forward of its own (a container); "
-                f"checkpoint its children instead, such as `{n + '.*' if n else '*'}`"
-            )
-    return [nm for i, nm in enumerate(matched) if (i + 1) % every == 0]
-
-
-def _label(name: str, module: nn.Module) -> str:
-    return f"`{name}` ({type(module).__name__})" if name else f"the model ({type(module).__name__})"
-
-
-# --- undoable module edits ---------------------------------------------------------------
-
-
-def _override_forward(handle: AppliedPolicy, name: str, module: nn.Module,
-                      forward: Callable[..., Any], what: str) -> None:
-    """Make `forward(module, *args, **kwargs)` the instance's forward, as a bound method."""
-    d = module.__dict__
-    if "forward" in d:
-        d[_INNER_FORWARD] = d["forward"]
-    d["forward"] = types.MethodType(forward, module)
-    d[_WRAPPED] = what
-
-    def undo() -> None:
-        d.pop("forward", None)
-        d.pop(_WRAPPED, None)
-        if _INNER_FORWARD in d:
-            d["forward"] = d.pop(_INNER_FORWARD)
-
-    handle._undo.append(undo)
-
-
-def inner_forward(module: nn.Module) -> Callable[..., Any]:
-    """The forward actcfg's override wraps: an earlier instance forward, else the class's."""
-    inner = module.__dict__.get(_INNER_FORWARD)
-    return inner if inner is not None else type(module).forward.__get__(module, type(module))
 
 
 def _add_hook(handle: AppliedPolicy, hook_handle: torch.utils.hooks.RemovableHandle) -> None:
@@ -318,7 +234,7 @@ def _apply_torch(model: nn.Module, policy: Policy, handle: AppliedPolicy) -> Non
             if forward is None:
                 _composable_checkpoint(handle, module, ck.preserve_rng_state)
             else:
-                _override_forward(handle, name, module, forward, f"checkpointed ({policy.checkpoint.mode})")
+                override_forward(handle, name, module, forward, f"checkpointed ({policy.checkpoint.mode})")
         handle.checkpointed = tuple(n for n, _ in selected)
     if plan.offload is not None:
         _apply_offload(model, plan.offload, selected, handle)
@@ -362,7 +278,7 @@ def _composable_checkpoint(handle: AppliedPolicy, module: nn.Module, preserve_rn
     new_post = [k for k in module._forward_hooks if k not in post]
     added = {k: [e for e in v if e not in state_before.get(k, ())] for k, v in d.items()
              if k.startswith(_COMPOSABLE_PREFIX) and isinstance(v, dict)}
-    d[_WRAPPED] = "checkpointed (full, composable)"
+    d[WRAPPED] = "checkpointed (full, composable)"
 
     def undo() -> None:
         for k in new_pre:
@@ -378,7 +294,7 @@ def _composable_checkpoint(handle: AppliedPolicy, module: nn.Module, preserve_rn
             else:
                 for e in entries:
                     d[key].pop(e, None)
-        d.pop(_WRAPPED, None)
+        d.pop(WRAPPED, None)
 
     handle._undo.append(undo)
 
@@ -441,25 +357,6 @@ class _CheckpointedForward:
                           preserve_rng_state=self.preserve_rng_state)
 
 
-def grad_path(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Reentrant checkpointing computes parameter gradients only if an input requires grad.
-
-    When none does (the first block of a model whose input is data), the first floating-point
-    input is replaced by a detached copy that requires grad; its gradient is discarded.
-    """
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if any(t.requires_grad for t in tensors):
-        return args
-    if not any(p.requires_grad for p in module.parameters()):
-        return args
-    out = list(args)
-    for i, a in enumerate(out):
-        if isinstance(a, torch.Tensor) and a.is_floating_point():
-            out[i] = a.detach().requires_grad_()
-            break
-    return tuple(out)
-
-
 # --- offload -----------------------------------------------------------------------------
 
 
@@ -480,7 +377,12 @@ class _OffloadScope:
         return self
 
     def enter(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if self._ctx is not None or not (module.training and torch.is_grad_enabled()):
+        if self._ctx is not None:
+            # The last forward of the root never reached its exit hook: torch runs always_call
+            # hooks when forward raises an Exception, not on KeyboardInterrupt or SystemExit.
+            # Close that scope now, so it cannot offload this forward's neighbours any longer.
+            self._exit_scope()
+        if not (module.training and torch.is_grad_enabled()):
             return
         if self.removed:
             raise PolicyApplyError(
@@ -493,10 +395,13 @@ class _OffloadScope:
         self._ctx, self._root = ctx, id(module)
 
     def exit(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        # always_call=True: also runs when forward raised, so the scope never outlives it.
+        # always_call=True: also runs when forward raised an Exception, so the scope ends with it.
         if self._ctx is not None and self._root == id(module):
-            ctx, self._ctx, self._root = self._ctx, None, None
-            ctx.__exit__(None, None, None)
+            self._exit_scope()
+
+    def _exit_scope(self) -> None:
+        ctx, self._ctx, self._root = self._ctx, None, None
+        ctx.__exit__(None, None, None)
 
     def mark(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if self._ctx is not None:
@@ -505,8 +410,7 @@ class _OffloadScope:
     def close(self) -> None:
         self.removed = True
         if self._ctx is not None:
-            ctx, self._ctx = self._ctx, None
-            ctx.__exit__(None, None, None)
+            self._exit_scope()
         self.engine.close()
 
 
@@ -571,51 +475,4 @@ def _apply_offload(model: nn.Module, plan: Any, selected: list[tuple[str, nn.Mod
 
 
 def _apply_deepspeed(model: nn.Module, policy: Policy, handle: AppliedPolicy, mpu: Any) -> None:
-    from actcfg import _deepspeed_route as ds
-
-    ds.apply(model, policy, handle, mpu)
-
-
-def mpu_from_group(group: Any) -> Any:
-    """A DeepSpeed model-parallel unit (mpu) for a torch.distributed process group."""
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        raise PolicyApplyError(
-            "mpu_from_group needs torch.distributed initialised: call "
-            "deepspeed.init_distributed() (or torch.distributed.init_process_group) first"
-        )
-    return _GroupMPU(group)
-
-
-class _GroupMPU:
-    """The model-parallel queries DeepSpeed's activation checkpointing makes, on one group."""
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-
-    def get_model_parallel_rank(self) -> int:
-        import torch.distributed as dist
-
-        return dist.get_rank(self.group)
-
-    def get_model_parallel_world_size(self) -> int:
-        import torch.distributed as dist
-
-        return dist.get_world_size(self.group)
-
-    def get_model_parallel_group(self) -> Any:
-        return self.group
-
-    get_tensor_model_parallel_rank = get_model_parallel_rank
-    get_tensor_model_parallel_world_size = get_model_parallel_world_size
-    get_tensor_model_parallel_group = get_model_parallel_group
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _GroupMPU) and other.group is self.group
-
-    def __hash__(self) -> int:
-        return id(self.group)
-
-    def __repr__(self) -> str:
-        return f"<actcfg mpu: model-parallel size {self.get_model_parallel_world_size()}>"
+    route_through_deepspeed(model, policy, handle, mpu)

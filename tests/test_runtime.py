@@ -617,3 +617,37 @@ def test_offload_groups_are_the_checkpointed_modules_and_enclose_checkpoint_hook
     model(x).sum().backward()
     assert handle.engine.events == ["enter", "mark", "mark", "exit"]
     handle.remove()
+
+
+def test_every_larger_than_the_matches_is_refused_not_a_silent_no_op():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises(PolicyApplyError, match=r"^checkpoint\.every: 4, but only 3 module\(s\) match 'Linear': "
+                       r"every n-th match is checkpointed, so none would be; set `every` to at most 3$"):
+        apply(model, {"version": 1, "checkpoint": {"mode": "full", "modules": ["Linear"], "every": 4}})
+    assert not any("_actcfg" in k for m in model.modules() for k in m.__dict__)  # nothing left behind
+
+
+def test_offload_scope_left_open_by_keyboard_interrupt_is_closed_by_the_next_forward():
+    class Interrupting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+            self.interrupt = False
+
+        def forward(self, x):
+            if self.interrupt:
+                raise KeyboardInterrupt
+            return self.lin(x)
+
+    model = nn.Sequential(Interrupting(), Interrupting())
+    handle, engine = wire_offload(model, {"version": 1, "cpu_checkpointing": True})
+    model[1].interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.randn(2, 16))
+    # torch skips always_call hooks for BaseException: the scope is still open here...
+    assert engine.events == ["enter", "mark", "mark"]
+    model[1].interrupt = False
+    model(torch.randn(2, 16)).sum().backward()
+    # ...and the next forward of the model closes it before opening its own.
+    assert engine.events == ["enter", "mark", "mark", "exit", "enter", "mark", "mark", "exit"]
+    handle.remove()

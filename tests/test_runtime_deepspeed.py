@@ -214,7 +214,7 @@ def test_partition_without_model_parallel_group_is_refused(ckpt):
     assert str(info.value) == (
         "partition: true needs a model-parallel group larger than one, and no mpu= was given: "
         "DeepSpeed would shard nothing, and on one GPU its partition path returned wrong "
-        "gradients (BACKENDS.md section 7); pass mpu= with model-parallel size > 1, or set "
+        "gradients in three of four small models; pass mpu= with model-parallel size > 1, or set "
         "`partition: false`"
     )
     import torch.distributed as dist
