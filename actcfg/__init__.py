@@ -13,6 +13,7 @@ from actcfg._version import __version__
 from actcfg.errors import (
     ActcfgError,
     ConfigLoadError,
+    OffloadError,
     PolicyApplyError,
     TranslationError,
     VerifyError,
@@ -24,8 +25,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ActcfgError",
+    "AppliedPolicy",
     "Backend",
     "ConfigLoadError",
+    "OffloadError",
     "Policy",
     "PolicyApplyError",
     "TranslationError",
@@ -65,3 +68,12 @@ def verify(model_factory: Any, cfg: Any, **kwargs: Any) -> Any:
     from actcfg.verify import verify as _verify
 
     return _verify(model_factory, cfg, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    # AppliedPolicy lives with the runtime, which needs torch: import it only when asked for.
+    if name == "AppliedPolicy":
+        from actcfg.runtime import AppliedPolicy
+
+        return AppliedPolicy
+    raise AttributeError(f"module 'actcfg' has no attribute {name!r}")
