@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
-from actcfg.schema import NoCheckpoint, Policy, SelectiveCheckpoint
+from actcfg.schema import FullCheckpoint, NoCheckpoint, Policy, SelectiveCheckpoint
 
 __all__ = ["FOREIGN_NAMES", "keys_at", "suggest"]
 
@@ -73,12 +73,21 @@ FOREIGN_NAMES: dict[str, tuple[str, str]] = {
 """Names other tools use for an actcfg setting: foreign name -> (actcfg dotted key, origin)."""
 
 
+_CHECKPOINT_BY_MODE = {"none": NoCheckpoint, "full": FullCheckpoint, "selective": SelectiveCheckpoint}
+
+
 def keys_at(at_path: tuple[str | int, ...], mode: str | None = None) -> tuple[str, ...]:
-    """The valid keys of the mapping at `at_path` (the top level, or `checkpoint` in `mode`)."""
+    """The valid keys of the mapping at `at_path` (the top level, or `checkpoint` in `mode`).
+
+    Under `checkpoint` with a missing or unknown `mode`, the union of every mode's keys: the
+    mode the user meant is not known, so no key of any mode is called invalid.
+    """
     if not at_path:
         return tuple(Policy.model_fields)
     if tuple(at_path) == ("checkpoint",):
-        model = NoCheckpoint if mode == "none" else SelectiveCheckpoint
+        model = _CHECKPOINT_BY_MODE.get(mode) if mode is not None else None
+        if model is None:
+            return tuple(dict.fromkeys(k for m in _CHECKPOINT_BY_MODE.values() for k in m.model_fields))
         return tuple(model.model_fields)
     return ()
 

@@ -129,6 +129,20 @@ def test_rule_findings_are_one_diagnostic_each(tmp_path):
     assert {(d.line, d.column) for d in diagnostics} == {(3, 13)}
 
 
+@pytest.mark.parametrize(("key", "hint"), [
+    # Under `mode: full` the hint offered `save_ops` (a selective-only key): renaming the typo
+    # to it only led to the next error.
+    ("save_op", "valid keys here: `modules`, `every`, `reentrant`, `mode`"),
+    ("zzz", "valid keys here: `modules`, `every`, `reentrant`, `mode`"),
+    ("save_ops", "`save_ops` is valid only with `mode: selective`"),
+    ("modles", "did you mean `modules`?"),
+])
+def test_unknown_key_under_mode_full_is_hinted_with_full_keys_only(key, hint):
+    text = f"version: 1\ncheckpoint:\n  mode: full\n  modules: [Block]\n  {key}: 1\n"
+    assert check_text(text) == (None, [Diagnostic(
+        "<string>", 5, 3, "unknown-key", "error", f"unknown key `{key}` under `checkpoint:`", hint)])
+
+
 # --- load() ------------------------------------------------------------------------------
 
 

@@ -64,5 +64,11 @@ def test_the_brief_names_are_all_curated():
 
 def test_keys_at_levels():
     assert keys_at(("checkpoint",), "none") == ("mode",)
+    assert keys_at(("checkpoint",), "full") == ("modules", "every", "reentrant", "mode")
     assert set(keys_at(("checkpoint",), "selective")) == {"mode", "modules", "every", "reentrant", "save_ops"}
     assert keys_at(("pin",)) == ()
+
+
+@pytest.mark.parametrize("mode", [None, "fulll"])
+def test_keys_at_checkpoint_without_a_known_mode_is_every_modes_keys(mode):
+    assert keys_at(("checkpoint",), mode) == ("mode", "modules", "every", "reentrant", "save_ops")
