@@ -364,7 +364,7 @@ class Policy(_Strict):
 
     pin_budget: Size | None = Field(None, description=_DOC["Policy.pin_budget"])
     """torch only: most pinned host memory the offload engine holds, in bytes or a human size
-    (`16GiB`); past it, pageable memory. Unset: as much as one step needs."""
+    (`16GiB`); past it, pageable memory. Unset: no bound (buffers are reused step after step)."""
 
     contiguous: StrictBool = Field(False, description=_DOC["Policy.contiguous"])
     """DeepSpeed only: pack partitioned activations into one preallocated buffer
