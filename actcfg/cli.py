@@ -208,7 +208,7 @@ def _verify(args: argparse.Namespace) -> int:
     policy, diagnostics = check_file(args.config, backends=(args.backend,) if args.backend else ())
     _report(diagnostics)
     if policy is None:
-        return 2
+        return _exit_code(diagnostics) or 1  # an invalid policy is 1, as in validate; unreadable 2
     if args.steps < 1:
         raise _Usage(f"--steps must be at least 1, got {args.steps}")
     try:  # what would stop the run is found before the GPU work, and is a usage error
@@ -216,7 +216,7 @@ def _verify(args: argparse.Namespace) -> int:
         require_cuda()
         if args.plot:
             require_plotting()
-        if (args.backend or policy.backend) == "deepspeed":
+        if (Backend(args.backend) if args.backend else policy.backend) is Backend.DEEPSPEED:
             ensure_deepspeed_process_group()
     except ActcfgError as e:
         raise _Usage(str(e)) from None
@@ -226,7 +226,9 @@ def _verify(args: argparse.Namespace) -> int:
         try:
             plot_memory(report, args.plot)
         except ActcfgError as e:
-            raise _Usage(str(e)) from None
+            _err(f"actcfg: error: {e}\n")
+            # The verdicts are already out: a failed promise (1) must not read as an I/O error (2).
+            return 2 if report.ok else 1
     return 0 if report.ok else 1
 
 

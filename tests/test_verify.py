@@ -701,12 +701,52 @@ def test_cli_usage_errors_exit_2(run_cli, measured_as, argv, err):
     assert calls == []
 
 
-def test_cli_invalid_config_prints_the_validate_diagnostics_and_exits_2(run_cli, measured_as):
+def test_cli_invalid_config_prints_the_validate_diagnostics_and_exits_1(run_cli, measured_as):
+    # STYLE rule 8: an invalid policy is 1, as `validate` and `translate` say; it was 2.
     calls = measured_as(report())
     done = run_cli("verify", BAD_MODE)
-    assert done.code == 2
+    assert (done.code, done.out) == (1, "")
     assert done.err.startswith(f"{BAD_MODE}:3:9: error bad-choice: ")
     assert calls == []
+
+
+def test_cli_unreadable_config_exits_2(run_cli, measured_as, tmp_path):
+    calls = measured_as(report())
+    done = run_cli("verify", tmp_path / "missing.yaml")
+    assert (done.code, done.out) == (2, "")
+    assert done.err.startswith(f"{tmp_path / 'missing.yaml'}:") and " error file-not-found: " in done.err
+    assert calls == []
+
+
+@pytest.mark.parametrize(("m", "code"), [(None, 2), (measured(GROWING), 1)])
+def test_cli_plot_write_error_does_not_hide_a_failed_verify(run_cli, measured_as, tmp_path, m, code):
+    # The plot is written after the verdicts: a failed promise still exits 1, only a passing
+    # run exits 2 for the write error.
+    pytest.importorskip("matplotlib")
+    rep = report(OFFLOAD, m)
+    measured_as(rep)
+    where = tmp_path / "no-such-dir" / "memory.png"
+    done = run_cli("verify", SEED_CONFIG, "--plot", where)
+    assert (done.code, done.out) == (code, render_text(rep))
+    assert done.err == (f"actcfg: error: --plot: cannot write {where}: No such file or "
+                        "directory\n")
+
+
+@pytest.mark.parametrize(("argv", "started"), [
+    ([SEED_CONFIG], False),
+    ([SEED_CONFIG, "--backend", "deepspeed"], True),
+    ([str(ROOT / "configs" / "deepspeed-cpu-checkpointing.yaml")], True),
+    ([str(ROOT / "configs" / "deepspeed-cpu-checkpointing.yaml"), "--backend", "torch"], False),
+])
+def test_cli_starts_a_process_group_only_for_the_deepspeed_backend(
+        run_cli, measured_as, monkeypatch, argv, started):
+    import actcfg.verify as module
+
+    measured_as(report())
+    starts: list[None] = []
+    monkeypatch.setattr(module, "ensure_deepspeed_process_group", lambda: starts.append(None))
+    done = run_cli("verify", *argv)
+    assert (done.code, len(starts)) == (0, int(started))
 
 
 def test_cli_without_a_gpu_exits_2_with_the_reason():
