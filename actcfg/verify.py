@@ -674,8 +674,8 @@ def verify(
     `loss_fn(output) -> scalar` defaults to the fp32 sum of squares of the first output.
     `apply` replaces `actcfg.runtime.apply` (tests inject broken ones); what it returns must
     have the `actcfg.runtime.AppliedPolicy` attributes verify reads: `checkpointed`, `offload`,
-    `engine`, `deepspeed` and `remove()`. Raises VerifyError
-    without a CUDA GPU: what is measured is GPU memory.
+    `engine`, `deepspeed` and `remove()`. Raises VerifyError without a CUDA GPU: what is
+    measured is GPU memory.
     """
     from actcfg.checker import load
 
