@@ -18,7 +18,7 @@ from actcfg.errors import ConfigLoadError
 from actcfg.loader import YAML11_BOOLS, Document, LoadFailure, kind_of, parse_document, read_document
 from actcfg.schema import CHECKPOINT_MODES, Backend, Finding, Policy, check_rules, user_path
 
-__all__ = ["check_data", "check_file", "check_text", "load"]
+__all__ = ["check_data", "check_file", "check_text", "failure_diagnostic", "load"]
 
 _CODE_BY_TYPE = {
     "extra_forbidden": "unknown-key",
@@ -176,7 +176,8 @@ def _from_finding(finding: Finding, doc: Document | None, name: str) -> Diagnost
     )
 
 
-def _failure(name: str, failure: LoadFailure) -> Diagnostic:
+def failure_diagnostic(name: str, failure: LoadFailure) -> Diagnostic:
+    """The diagnostic of a file that could not be read or parsed."""
     return Diagnostic(
         name, failure.line, failure.column, failure.code, "error", failure.message, failure.hint
     )
@@ -224,7 +225,7 @@ def check_document(
     try:
         section = doc.section(at)
     except LoadFailure as e:
-        return None, [_failure(doc.name, e)]
+        return None, [failure_diagnostic(doc.name, e)]
     return _validate(section.data, section, doc.name, _backends(backends))
 
 
@@ -236,7 +237,7 @@ def check_file(
     try:
         doc = read_document(name)
     except LoadFailure as e:
-        return None, [_failure(name, e)]
+        return None, [failure_diagnostic(name, e)]
     return check_document(doc, backends=backends, at=at)
 
 
@@ -247,7 +248,7 @@ def check_text(
     try:
         doc = parse_document(text, name)
     except LoadFailure as e:
-        return None, [_failure(name, e)]
+        return None, [failure_diagnostic(name, e)]
     return check_document(doc, backends=backends, at=at)
 
 

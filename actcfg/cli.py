@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from actcfg._version import __version__
-from actcfg.checker import check_document, check_file
+from actcfg.checker import check_document, check_file, failure_diagnostic
 from actcfg.diagnostics import REPORTER_BY_NAME, Diagnostic, Result
 from actcfg.errors import ActcfgError, TranslationError
 from actcfg.loader import LoadFailure, read_document, read_json
@@ -110,7 +110,7 @@ def _read_json(path: str) -> tuple[Any, list[Diagnostic]]:
     try:
         data = read_json(path)
     except LoadFailure as e:
-        return None, [Diagnostic(path, e.line, e.column, e.code, "error", e.message, e.hint)]
+        return None, [failure_diagnostic(path, e)]
     if not isinstance(data, dict):
         return None, [Diagnostic(path, 1, 1, "bad-value", "error",
                                  "a ds_config is a JSON object", "pass the ds_config.json file")]
@@ -125,7 +125,7 @@ def _translate(args: argparse.Namespace) -> int:
     try:
         doc = read_document(args.file)
     except LoadFailure as e:
-        failure = [Diagnostic(args.file, e.line, e.column, e.code, "error", e.message, e.hint)]
+        failure = [failure_diagnostic(args.file, e)]
         _report(failure)
         return _exit_code(failure)
     backends = (args.backend,) if args.backend else ()
