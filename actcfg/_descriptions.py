@@ -12,6 +12,7 @@ DESCRIPTIONS: dict[str, str] = {
     'FullCheckpoint.mode': '`full`: whole-module recomputation.',
     'SelectiveCheckpoint.mode': '`selective`: op-level recomputation (torch `create_selective_checkpoint_contexts`).',
     'SelectiveCheckpoint.save_ops': 'Ops whose outputs are saved, as `namespace.op` (`aten.mm`); every other op is recomputed.',
+    'ExternalCheckpoint.mode': "`external`: the model's own code routes its checkpointed calls (Megatron and gpt-neox\ncall deepspeed.checkpointing.checkpoint; Hugging Face models with activation checkpointing\non call torch.utils.checkpoint): actcfg configures the backend (and offloads, with\n`cpu_checkpointing`) around them.",
     'Policy.version': 'Schema version of this file; this actcfg reads version 1.',
     'Policy.backend': 'Backend that `actcfg.apply` and `actcfg translate` use unless told otherwise.',
     'Policy.checkpoint': 'Activation checkpointing: which modules recompute their activations in backward.',

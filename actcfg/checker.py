@@ -54,7 +54,7 @@ _MISSING_HINTS = {
     ("version",): "add `version: 1` as the first line",
     ("checkpoint", "modules"): "add `modules: [...]`: class names or fnmatch patterns of the "
     "modules to checkpoint, such as `[Block]`",
-    ("checkpoint", "mode"): "add `mode: none`, `mode: full` or `mode: selective`",
+    ("checkpoint", "mode"): "add `mode: none`, `mode: full`, `mode: selective` or `mode: external`",
 }
 
 _Backends = Iterable[Backend | str]
@@ -125,7 +125,7 @@ def _from_error(error: Mapping[str, Any], data: Any, doc: Document | None, name:
         import difflib
 
         close = difflib.get_close_matches(str(tag), CHECKPOINT_MODES, n=1, cutoff=0.6)
-        hint = "choose one of none, full, selective" + (f"; did you mean `{close[0]}`?" if close else "")
+        hint = "choose one of " + ", ".join(CHECKPOINT_MODES) + (f"; did you mean `{close[0]}`?" if close else "")
     elif kind in ("enum", "literal_error"):
         expected = str(ctx.get("expected", "")).replace("'", "")
         message = f"`{where}` is {_shown(value)}; expected {expected}"
@@ -137,6 +137,9 @@ def _from_error(error: Mapping[str, Any], data: Any, doc: Document | None, name:
 
             close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.6)
             hint = f"choose one of {', '.join(choices)}" + (f"; did you mean `{close[0]}`?" if close else "")
+            if path == ("backend",) and str(value) in {b.value for b in Backend}:
+                hint = (f"`{value}` is a translation target (`actcfg translate --backend {value}`); "
+                        f"a policy's backend is the one actcfg.apply runs: {hint}")
     elif code == "wrong-type":
         expected = _TYPE_WORDS.get(kind)
         message = (
@@ -184,16 +187,7 @@ def failure_diagnostic(name: str, failure: LoadFailure) -> Diagnostic:
 
 
 def _backends(backends: _Backends) -> tuple[Backend, ...]:
-    out: list[Backend] = []
-    for b in backends:
-        try:
-            out.append(Backend(b))
-        except ValueError as e:
-            choices = ", ".join(c.value for c in Backend)
-            raise ConfigLoadError(
-                f"backends: {b!r} is not a backend; choose one of {choices}"
-            ) from e
-    return tuple(out)
+    return tuple(Backend.parse(b) for b in backends)
 
 
 def _validate(

@@ -167,13 +167,12 @@ def apply(model: nn.Module, cfg: Any, *, backend: Backend | str | None = None,
 
 
 def _backend(value: Backend | str) -> Backend:
-    try:
-        return Backend(value)
-    except ValueError:
+    chosen = Backend.parse(value)
+    if not chosen.spec.runs:
         raise PolicyApplyError(
-            f"backend={value!r} is not a backend: use one of "
-            + ", ".join(repr(b.value) for b in Backend)
-        ) from None
+            f"backend={chosen.value!r} is a translation target, not a runtime: actcfg.apply runs "
+            "the torch or the deepspeed backend (a trainer integration applies either)")
+    return chosen
 
 
 def _refuse_if_applied(model: nn.Module) -> None:

@@ -8,12 +8,11 @@ frozen, and every field carries a docstring that becomes its description in `act
 
 from __future__ import annotations
 
-import enum
 import re
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -29,11 +28,14 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from actcfg._descriptions import DESCRIPTIONS as _DOC
+from actcfg.backends import BACKENDS, RUNTIME_BACKENDS, Backend
+from actcfg.backends.table import Finding, findings
 
 __all__ = [
     "Backend",
     "Checkpoint",
     "DEFAULT_SAVE_OPS",
+    "ExternalCheckpoint",
     "Finding",
     "FullCheckpoint",
     "NoCheckpoint",
@@ -42,16 +44,10 @@ __all__ = [
     "check_rules",
     "format_size",
     "parse_size",
+    "policy_field_paths",
     "policy_json_schema",
     "user_path",
 ]
-
-
-class Backend(enum.StrEnum):
-    """The training stacks a policy can be translated to and applied with."""
-
-    DEEPSPEED = "deepspeed"
-    TORCH = "torch"
 
 
 # --- sizes ---------------------------------------------------------------------------
@@ -193,98 +189,32 @@ class SelectiveCheckpoint(_Checkpointed):
     """Ops whose outputs are saved, as `namespace.op` (`aten.mm`); every other op is recomputed."""
 
 
+class ExternalCheckpoint(_Strict):
+    """The model checkpoints itself: actcfg configures the backend and wraps no module."""
+
+    mode: Literal["external"] = Field(description=_DOC["ExternalCheckpoint.mode"])
+    """`external`: the model's own code routes its checkpointed calls (Megatron and gpt-neox
+    call deepspeed.checkpointing.checkpoint; Hugging Face models with activation checkpointing
+    on call torch.utils.checkpoint): actcfg configures the backend (and offloads, with
+    `cpu_checkpointing`) around them."""
+
+
 Checkpoint = Annotated[
-    Union[NoCheckpoint, FullCheckpoint, SelectiveCheckpoint],
+    Union[NoCheckpoint, FullCheckpoint, SelectiveCheckpoint, ExternalCheckpoint],
     Discriminator("mode"),
 ]
-CHECKPOINT_MODES = ("none", "full", "selective")
+CHECKPOINT_MODES = ("none", "full", "selective", "external")
 
 
 # --- cross-field rules -----------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Finding:
-    """One cross-field rule's verdict on a valid-looking policy."""
-
-    code: str
-    severity: Literal["error", "warning"]
-    path: tuple[str, ...]
-    message: str
-    hint: str
-
-
-_DEEPSPEED_ONLY = {
-    "partition": "DeepSpeed's partition_activations; torch's analogue is tensor-parallel input_reshard",
-    "contiguous": "DeepSpeed's contiguous_memory_optimization",
-    "num_checkpoints": "DeepSpeed's number_checkpoints",
-    "synchronize": "DeepSpeed's synchronize_checkpoint_boundary",
-    "profile": "DeepSpeed's checkpoint profiling",
-}
-_DEFAULTS = {"partition": False, "contiguous": False, "num_checkpoints": None,
-             "synchronize": False, "profile": False}
-
-
 def _backend_rules(policy: Policy, backend: Backend, origin: str) -> list[Finding]:
-    out: list[Finding] = []
-    ckpt = policy.checkpoint
-    if backend is Backend.TORCH:
-        for key, what in _DEEPSPEED_ONLY.items():
-            if getattr(policy, key) != _DEFAULTS[key]:
-                out.append(Finding(
-                    "deepspeed-only", "error", (key,),
-                    f"`{key}` is DeepSpeed-only ({what}), but the backend is torch{origin}",
-                    f"set `backend: deepspeed`, or remove `{key}`",
-                ))
-        return out
-    # DeepSpeed
-    if ckpt.mode == "selective":
-        out.append(Finding(
-            "torch-only", "error", ("checkpoint", "mode"),
-            f"checkpoint.mode `selective` is torch-only, but the backend is deepspeed{origin}",
-            "use `mode: full`, or set `backend: torch`",
-        ))
-    if ckpt.mode != "none" and "reentrant" in ckpt.model_fields_set:
-        out.append(Finding(
-            "torch-only", "error", ("checkpoint", "reentrant"),
-            "checkpoint.reentrant is torch-only: DeepSpeed always routes through "
-            f"deepspeed.checkpointing.checkpoint (backend deepspeed{origin})",
-            "remove `reentrant`, or set `backend: torch`",
-        ))
-    if not policy.pin:
-        out.append(Finding(
-            "torch-only", "error", ("pin",),
-            f"`pin: false` is torch-only: DeepSpeed always offloads into pinned memory{origin}",
-            "remove `pin`, or set `backend: torch`",
-        ))
-    if policy.pin_budget is not None:
-        out.append(Finding(
-            "torch-only", "error", ("pin_budget",),
-            f"`pin_budget` is torch-only: DeepSpeed cannot bound its pinned memory{origin}",
-            "remove `pin_budget`, or set `backend: torch`",
-        ))
-    if ckpt.mode == "none":
-        for key in ("cpu_checkpointing", *_DEEPSPEED_ONLY):
-            if getattr(policy, key) != _DEFAULTS.get(key, False):
-                out.append(Finding(
-                    "needs-checkpointing", "error", (key,),
-                    f"`{key}` acts only inside deepspeed.checkpointing.checkpoint, but "
-                    f"checkpoint.mode is none{origin}: it would do nothing",
-                    "set `checkpoint: {mode: full, modules: [...]}`, or remove "
-                    f"`{key}`" + (" (offloading every activation is torch-only)"
-                                  if key == "cpu_checkpointing" else ""),
-                ))
-    if policy.partition:
-        out.append(Finding(
-            "partition-needs-model-parallel", "warning", ("partition",),
-            "`partition` shards checkpointed activations across the model-parallel group; "
-            "it shards nothing without a group of size > 1, and apply() refuses it then",
-            "pass `mpu=` (model-parallel size > 1) to actcfg.apply, or remove `partition`",
-        ))
-    return out
+    spec = BACKENDS[backend]
+    return findings(spec.table, policy, backend.value, spec.checkpoint_function, origin)
 
 
-def check_rules(policy: Policy, backends: tuple[Backend, ...] = ()) -> list[Finding]:
+def check_rules(policy: Policy, backends: tuple[Backend | str, ...] = ()) -> list[Finding]:
     """Every cross-field finding for `policy` under its own backend and each of `backends`."""
     out: list[Finding] = []
     ckpt = policy.checkpoint
@@ -327,7 +257,7 @@ def check_rules(policy: Policy, backends: tuple[Backend, ...] = ()) -> list[Find
             "remove `pin_budget`, or set `pin: true`",
         ))
     seen: set[Backend] = set()
-    for backend in (policy.backend, *backends):
+    for backend in map(Backend.parse, (policy.backend, *backends)):
         if backend in seen:
             continue
         seen.add(backend)
@@ -338,6 +268,12 @@ def check_rules(policy: Policy, backends: tuple[Backend, ...] = ()) -> list[Find
 
 # --- the policy ----------------------------------------------------------------------------
 
+RuntimeBackend = Annotated[
+    Literal[tuple(b.value for b in RUNTIME_BACKENDS)],  # type: ignore[valid-type]
+    AfterValidator(Backend.parse),
+]
+"""A backend `actcfg.apply` runs; the others (hf, lightning) are translation targets only."""
+
 
 class Policy(_Strict):
     """An activation-memory policy: what is recomputed, partitioned and offloaded."""
@@ -345,7 +281,7 @@ class Policy(_Strict):
     version: Literal[1] = Field(description=_DOC["Policy.version"])
     """Schema version of this file; this actcfg reads version 1."""
 
-    backend: Backend = Field(Backend.TORCH, description=_DOC["Policy.backend"])
+    backend: RuntimeBackend = Field(Backend.TORCH, description=_DOC["Policy.backend"])
     """Backend that `actcfg.apply` and `actcfg translate` use unless told otherwise."""
 
     checkpoint: Checkpoint = Field(NoCheckpoint(mode="none"), description=_DOC["Policy.checkpoint"])
@@ -420,3 +356,27 @@ def policy_json_schema() -> dict[str, Any]:
     if definitions:
         out["definitions"] = definitions
     return out
+
+
+def policy_field_paths() -> list[str]:
+    """Every leaf field of the schema as a dotted path, each checkpoint variant included (the
+    backend tables must have an entry for each; a test checks)."""
+    import typing
+
+    def walk(model: type[BaseModel], prefix: str) -> list[str]:
+        out: list[str] = []
+        for name, info in model.model_fields.items():
+            annotation = info.annotation
+            while typing.get_origin(annotation) is typing.Annotated:
+                annotation = typing.get_args(annotation)[0]
+            variants = [a for a in typing.get_args(annotation)
+                        if isinstance(a, type) and issubclass(a, BaseModel)]
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                variants = [annotation]
+            if not variants:
+                out.append(f"{prefix}{name}")
+            for variant in variants:
+                out += [p for p in walk(variant, f"{prefix}{name}.") if p not in out]
+        return out
+
+    return walk(Policy, "")

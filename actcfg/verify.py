@@ -681,11 +681,7 @@ def verify(
 
     if steps < 1:
         raise VerifyError(f"steps must be at least 1, got {steps}")
-    try:
-        chosen = Backend(backend) if backend is not None else None
-    except ValueError as e:
-        choices = ", ".join(c.value for c in Backend)
-        raise VerifyError(f"backend={backend!r} is not a backend; choose one of {choices}") from e
+    chosen = Backend.parse(backend) if backend is not None else None
     require_cuda()
     policy = load(cfg, backends=(chosen,) if chosen is not None else ())
     if apply is None:

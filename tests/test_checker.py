@@ -10,7 +10,7 @@ import pytest
 
 from actcfg.checker import check_file, check_text, load
 from actcfg.diagnostics import Diagnostic
-from actcfg.errors import ConfigLoadError
+from actcfg.errors import ActcfgError, ConfigLoadError
 from actcfg.schema import Backend, Policy
 from conftest import CONFIGS, DATA
 
@@ -194,9 +194,9 @@ def test_load_policy_rechecked_against_backends():
     lambda: load("version: 1\n", backends=["deepsped"]),
     lambda: check_text("version: 1\n", backends=("torch", "deepsped")),
 ])
-def test_an_unknown_backend_is_a_config_load_error_with_the_choices(call):
-    with pytest.raises(ConfigLoadError,
-                       match=r"^backends: 'deepsped' is not a backend; choose one of deepspeed, torch$"):
+def test_an_unknown_backend_is_refused_with_the_choices(call):
+    with pytest.raises(ActcfgError,
+                       match=r"^unknown backend 'deepsped': choose one of deepspeed, hf, lightning, torch$"):
         call()
 
 

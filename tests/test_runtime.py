@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from actcfg.errors import PolicyApplyError
+from actcfg.errors import ActcfgError, PolicyApplyError
 from actcfg.probes import Block, blocks, linear_chain
 from actcfg.runtime import AppliedPolicy, apply, select_modules
 
@@ -395,7 +395,7 @@ def test_save_op_resolves_to_every_overload_or_the_named_one():
 
 def test_bad_backend_and_mpu_with_torch_are_refused():
     model, _ = small_blocks(2)
-    with pytest.raises(PolicyApplyError, match=r"^backend='jax' is not a backend: use one of 'deepspeed', 'torch'$"):
+    with pytest.raises(ActcfgError, match=r"^unknown backend 'jax': choose one of deepspeed, hf, lightning, torch$"):
         apply(model, policy("full", ["Block"]), backend="jax")
     with pytest.raises(PolicyApplyError, match=r"^mpu= is for the deepspeed backend"):
         apply(model, policy("full", ["Block"]), mpu=object())

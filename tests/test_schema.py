@@ -54,8 +54,9 @@ def test_unknown_mode_is_one_union_tag_error():
     assert _errors({"version": 1, "checkpoint": {"mode": "fll"}}) == [
         {"type": "union_tag_invalid", "loc": ("checkpoint",),
          "msg": "Input tag 'fll' found using 'mode' does not match any of the expected tags: "
-                "'none', 'full', 'selective'",
-         "ctx": {"discriminator": "'mode'", "tag": "fll", "expected_tags": "'none', 'full', 'selective'"}}
+                "'none', 'full', 'selective', 'external'",
+         "ctx": {"discriminator": "'mode'", "tag": "fll",
+                 "expected_tags": "'none', 'full', 'selective', 'external'"}}
     ]
 
 
@@ -127,7 +128,8 @@ def test_selective_is_torch_only():
     [f] = _rule_error({"version": 1, "backend": "deepspeed",
                        "checkpoint": {"mode": "selective", "modules": ["Block"]}})
     assert (f.code, f.path) == ("torch-only", ("checkpoint", "mode"))
-    assert f.message == "checkpoint.mode `selective` is torch-only, but the backend is deepspeed"
+    assert f.message == ("checkpoint.mode `selective` is torch-only: DeepSpeed recomputes whole "
+                         "modules, but the backend is deepspeed")
 
 
 def test_reentrant_is_torch_only_and_not_with_selective():
@@ -192,7 +194,7 @@ def test_schema_is_draft7_with_descriptions_and_no_extra_properties():
     jsonschema.Draft7Validator.check_schema(schema)
     assert schema["additionalProperties"] is False
     models = [d for d in schema["definitions"].values() if "properties" in d]
-    assert len(models) == 3 and all(d["additionalProperties"] is False for d in models)
+    assert len(models) == 4 and all(d["additionalProperties"] is False for d in models)
     assert all("description" in p for p in schema["properties"].values())
 
 

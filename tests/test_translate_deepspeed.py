@@ -8,10 +8,11 @@ import json
 import pytest
 
 from actcfg.errors import TranslationError
-from actcfg.schema import Policy
+from actcfg.backends.deepspeed import TABLE
+from actcfg.backends.table import Key, Meta, RoutedBy, Unsupported
+from actcfg.schema import Policy, policy_field_paths
 from actcfg.translate import TRANSLATORS, translate
-from actcfg.translate._table import Key, Meta, RoutedBy, Unsupported, policy_field_paths
-from actcfg.translate.deepspeed import TABLE, to_deepspeed
+from actcfg.translate.deepspeed import to_deepspeed
 
 try:
     from tests._deepspeed_env import GLOBAL_BY_KWARG, ds_env, ds_globals
@@ -126,7 +127,7 @@ def test_every_value_comes_from_the_policy() -> None:
 
 def test_translate_registry_and_str_backend() -> None:
     policy = Policy.model_validate(CASES["torch-full"])
-    assert set(TRANSLATORS) == {"deepspeed", "torch"}
+    assert set(TRANSLATORS) == {"deepspeed", "hf", "lightning", "torch"}
     assert translate(policy, "deepspeed") == to_deepspeed(policy)
     assert json.loads(json.dumps(translate(policy, "deepspeed"))) == to_deepspeed(policy)
     assert translate(Policy.model_validate(CASES["ds-cpu"])) == to_deepspeed(
@@ -136,7 +137,7 @@ def test_translate_registry_and_str_backend() -> None:
 def test_translate_unknown_backend() -> None:
     from actcfg.errors import ActcfgError
 
-    with pytest.raises(ActcfgError, match=r"^unknown backend 'jax': choose one of deepspeed, torch$"):
+    with pytest.raises(ActcfgError, match=r"^unknown backend 'jax': choose one of deepspeed, hf, lightning, torch$"):
         translate(Policy.model_validate({"version": 1}), "jax")
 
 
@@ -146,39 +147,43 @@ REFUSED = {
     "selective": (
         {"version": 1, "checkpoint": {"mode": "selective", "modules": ["Block"]}},
         "checkpoint.mode",
-        "op-level (selective) checkpointing is torch-only: DeepSpeed recomputes whole modules; "
-        "use `mode: full`, or translate for torch",
+        "checkpoint.mode `selective` is torch-only: DeepSpeed recomputes whole modules (got "
+        "'selective'); use `mode: full`, or set `backend: torch`",
     ),
     "reentrant-true": (
         {"version": 1, "checkpoint": {"mode": "full", "modules": ["B"], "reentrant": True}},
         "checkpoint.reentrant",
-        "DeepSpeed always routes through deepspeed.checkpointing.checkpoint, which has no "
-        "reentrant switch; remove `checkpoint.reentrant`, or translate for torch (got True)",
+        "`checkpoint.reentrant` is torch-only: DeepSpeed always routes through "
+        "deepspeed.checkpointing.checkpoint, which has no reentrant switch (got True); remove "
+        "`reentrant`, or set `backend: torch`",
     ),
     "reentrant-false-explicit": (
         {"version": 1, "checkpoint": {"mode": "full", "modules": ["B"], "reentrant": False}},
         "checkpoint.reentrant",
-        "DeepSpeed always routes through deepspeed.checkpointing.checkpoint, which has no "
-        "reentrant switch; remove `checkpoint.reentrant`, or translate for torch (got False)",
+        "`checkpoint.reentrant` is torch-only: DeepSpeed always routes through "
+        "deepspeed.checkpointing.checkpoint, which has no reentrant switch (got False); remove "
+        "`reentrant`, or set `backend: torch`",
     ),
     "pin-false": (
         {"version": 1, "checkpoint": {"mode": "full", "modules": ["B"]}, "pin": False},
         "pin",
-        "DeepSpeed always offloads into pinned host memory; remove `pin: false`, or translate "
-        "for torch (got False)",
+        "`pin: false` is torch-only: DeepSpeed always offloads into pinned host memory (got "
+        "False); remove `pin`, or set `backend: torch`",
     ),
     "pin-budget": (
         {"version": 1, "checkpoint": {"mode": "full", "modules": ["B"]},
          "cpu_checkpointing": True, "pin_budget": "1GiB"},
         "pin_budget",
-        "DeepSpeed cannot bound its pinned host memory; remove `pin_budget`, or translate for "
-        "torch (got 1073741824)",
+        "`pin_budget` is torch-only: DeepSpeed cannot bound its pinned host memory (got "
+        "1073741824); remove `pin_budget`, or set `backend: torch`",
     ),
     "cpu-without-checkpointing": (
         {"version": 1, "cpu_checkpointing": True},
         "cpu_checkpointing",
-        "it acts only inside checkpointed calls, but checkpoint.mode is none (got True); set "
-        "`checkpoint: {mode: full, modules: [...]}`, or remove `cpu_checkpointing`",
+        "`cpu_checkpointing` acts only inside deepspeed.checkpointing.checkpoint, but "
+        "checkpoint.mode is none: it would do nothing (got True); set `checkpoint: {mode: full, "
+        "modules: [...]}`, or remove `cpu_checkpointing` (offloading every activation is "
+        "torch-only)",
     ),
 }
 

@@ -10,15 +10,16 @@ import json
 
 import pytest
 
+from actcfg.backends.table import Key, Meta, RoutedBy, Unsupported
+from actcfg.backends.torch import TABLE
 from actcfg.errors import TranslationError
-from actcfg.schema import DEFAULT_SAVE_OPS, Policy
+from actcfg.schema import DEFAULT_SAVE_OPS, Policy, policy_field_paths
 from actcfg.translate import translate
-from actcfg.translate._table import Key, Meta, RoutedBy, Unsupported, policy_field_paths
 from actcfg.translate.torch_native import (
-    COMPOSABLE_API,
-    REENTRANT_API,
-    TABLE,
+    CHECKPOINT_API,
+    OFFLOAD_ENGINE,
     CheckpointPlan,
+    ExternalCheckpointPlan,
     OffloadPlan,
     WrapPlan,
     to_torch_native,
@@ -79,7 +80,7 @@ def test_plan_is_plain_frozen_data() -> None:
     assert plan == WrapPlan(
         checkpoint=CheckpointPlan(modules=("Block",), every=1, use_reentrant=False,
                                   preserve_rng_state=True, selective_save_ops=None,
-                                  api=COMPOSABLE_API),
+                                  api=CHECKPOINT_API),
         offload=OffloadPlan(scope="checkpoint_inputs", pin=True, pin_budget=16 * 2**30),
     )
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -92,7 +93,7 @@ def test_to_json_order_and_roundtrip() -> None:
     out = PLANS["torch-selective-mm"].to_json()
     assert json.loads(json.dumps(out)) == out
     assert out == {
-        "checkpoint": {"api": COMPOSABLE_API, "modules": ["*"], "every": 3,
+        "checkpoint": {"api": CHECKPOINT_API, "modules": ["*"], "every": 3,
                        "use_reentrant": False, "preserve_rng_state": True,
                        "selective_save_ops": ["aten.mm", "aten.addmm"]},
         "offload": None,
@@ -102,15 +103,15 @@ def test_to_json_order_and_roundtrip() -> None:
 
 @pytest.mark.parametrize(("name", "expected"), [
     ("empty-torch", (None, None)),
-    ("torch-full", ((COMPOSABLE_API, False, None), None)),
-    ("torch-reentrant", ((REENTRANT_API, True, None), None)),
-    ("torch-reentrant-false", ((COMPOSABLE_API, False, None), None)),
-    ("torch-selective", ((COMPOSABLE_API, False, DEFAULT_SAVE_OPS), None)),
+    ("torch-full", ((CHECKPOINT_API, False, None), None)),
+    ("torch-reentrant", ((CHECKPOINT_API, True, None), None)),
+    ("torch-reentrant-false", ((CHECKPOINT_API, False, None), None)),
+    ("torch-selective", ((CHECKPOINT_API, False, DEFAULT_SAVE_OPS), None)),
     ("torch-offload-all", (None, ("all_saved", False, None))),
-    ("torch-full-offload", ((COMPOSABLE_API, False, None), ("checkpoint_inputs", True, 2**34))),
+    ("torch-full-offload", ((CHECKPOINT_API, False, None), ("checkpoint_inputs", True, 2**34))),
     # pin_budget without cpu_checkpointing: the schema warns; nothing is offloaded.
-    ("torch-pin-budget-unused", ((COMPOSABLE_API, False, None), None)),
-    ("ds-cpu", ((COMPOSABLE_API, False, None), ("checkpoint_inputs", True, None))),
+    ("torch-pin-budget-unused", ((CHECKPOINT_API, False, None), None)),
+    ("ds-cpu", ((CHECKPOINT_API, False, None), ("checkpoint_inputs", True, None))),
 ])
 def test_plan_fields(name: str, expected) -> None:
     plan = PLANS[name]
@@ -127,17 +128,16 @@ _BLOCK = {"mode": "full", "modules": ["B"]}
 
 @pytest.mark.parametrize(("data", "field", "reason"), [
     ({"partition": True}, "partition",
-     "`partition` is DeepSpeed-only (partition_activations; torch's analogue is tensor-parallel "
-     "input_reshard); torch has no such setting: remove it, or translate for deepspeed "
-     "(got True)"),
+     "`partition` is DeepSpeed-only (DeepSpeed's partition_activations; torch's analogue is "
+     "tensor-parallel input_reshard) (got True); set `backend: deepspeed`, or remove `partition`"),
     ({"partition": True, "contiguous": True, "num_checkpoints": 2}, "partition", None),
     ({"num_checkpoints": 4}, "num_checkpoints",
-     "`num_checkpoints` is DeepSpeed-only (number_checkpoints); torch has no such setting: "
-     "remove it, or translate for deepspeed (got 4)"),
+     "`num_checkpoints` is DeepSpeed-only (DeepSpeed's number_checkpoints) (got 4); set "
+     "`backend: deepspeed`, or remove `num_checkpoints`"),
     ({"synchronize": True}, "synchronize", None),
     ({"profile": True}, "profile",
-     "`profile` is DeepSpeed-only (checkpoint profiling); torch has no such setting: remove "
-     "it, or translate for deepspeed (got True)"),
+     "`profile` is DeepSpeed-only (DeepSpeed's checkpoint profiling) (got True); set "
+     "`backend: deepspeed`, or remove `profile`"),
 ])
 def test_refuses_deepspeed_only_settings(data, field, reason) -> None:
     policy = Policy.model_validate({"version": 1, "backend": "deepspeed", "checkpoint": _BLOCK,
@@ -157,14 +157,16 @@ def test_contiguous_alone_is_named() -> None:
         to_torch_native(policy)
 
 
-def test_refuses_selective_reentrant_even_unvalidated() -> None:
-    base = Policy.model_validate({"version": 1, "checkpoint": {"mode": "selective",
-                                                                "modules": ["B"]}})
-    ckpt = base.checkpoint.model_construct(**{**base.checkpoint.__dict__, "reentrant": True})
-    policy = Policy.model_construct(**{**base.__dict__, "checkpoint": ckpt})
-    with pytest.raises(TranslationError, match=r"^checkpoint.reentrant: the torch backend .*"
-                                               r"non-reentrant checkpoint; remove `reentrant: true`"):
-        to_torch_native(policy)
+def test_external_checkpointing_wraps_nothing_and_offloads_what_the_model_keeps() -> None:
+    policy = Policy.model_validate({"version": 1, "checkpoint": {"mode": "external"},
+                                    "cpu_checkpointing": True})
+    plan = to_torch_native(policy)
+    assert plan == WrapPlan(checkpoint=ExternalCheckpointPlan(),
+                            offload=OffloadPlan(scope="all_saved", pin=True, pin_budget=None))
+    assert plan.to_json() == {
+        "checkpoint": {"api": None, "by": "the model"},
+        "offload": {"engine": OFFLOAD_ENGINE, "scope": "all_saved", "pin": True, "pin_budget": None},
+    }
 
 
 # --- goldens -------------------------------------------------------------------------------
@@ -185,10 +187,10 @@ torch = pytest.importorskip("torch")
 
 
 def test_api_names_resolve() -> None:
-    from torch.distributed._composable import checkpoint as composable
+    from actcfg.offload import OffloadEngine
 
-    assert _resolve(COMPOSABLE_API) is composable
-    assert _resolve(REENTRANT_API) is torch.utils.checkpoint.checkpoint
+    assert _resolve(CHECKPOINT_API) is torch.utils.checkpoint.checkpoint
+    assert _resolve(OFFLOAD_ENGINE) is OffloadEngine
 
 
 def _toy() -> torch.nn.Module:
@@ -235,20 +237,10 @@ def test_plan_runs_through_its_torch_api(name: str) -> None:
     block = _toy()
     x0 = torch.randn(4, 16, requires_grad=True)
     plain = _grads(block, block, x0)
-    if plan.api == COMPOSABLE_API:
-        api(block, **kwargs)
-        got = _grads(block, block, x0)
-    else:
-        inspect.signature(api).bind(block, x0, **kwargs)
-        got = _grads(lambda x: api(block, x, **kwargs), block, x0)
+    inspect.signature(api).bind(block, x0, **kwargs)
+    got = _grads(lambda x: api(block, x, **kwargs), block, x0)
     for g, want in zip(got, plain):
         torch.testing.assert_close(g, want)
-
-
-def test_composable_rejects_a_misspelt_kwarg() -> None:
-    """Binding means something: the composable API refuses keys it does not know."""
-    with pytest.raises(ValueError, match="Unexpected keyword arguments: use_reentrant_"):
-        _resolve(COMPOSABLE_API)(torch.nn.Linear(2, 2), use_reentrant_=False)
 
 
 @pytest.mark.parametrize("name", sorted(DEFAULT_SAVE_OPS))
@@ -276,7 +268,8 @@ def test_selective_plan_saves_mm_full_plan_recomputes_it() -> None:
             kwargs = plan.kwargs()
             if plan.selective_save_ops is not None:
                 kwargs["context_fn"] = _sac_context(plan.selective_save_ops)
-            _resolve(plan.api)(block, **kwargs)
+            api = _resolve(plan.api)
+            return _mm_flops(lambda: api(block, x0 * 1.0, **kwargs).sum().backward())
         return _mm_flops(lambda: block(x0 * 1.0).sum().backward())
 
     plain = run(None)
@@ -288,7 +281,9 @@ def test_selective_plan_saves_mm_full_plan_recomputes_it() -> None:
     assert selective == plain
 
 
-def test_offload_plan_binds_save_on_cpu() -> None:
+def test_offload_plan_binds_the_engine() -> None:
+    from actcfg.offload import OffloadEngine
+
     plan = PLANS["torch-offload-all"].offload
-    bound = inspect.signature(torch.autograd.graph.save_on_cpu).bind(pin_memory=plan.pin)
-    assert bound.arguments == {"pin_memory": False}
+    bound = inspect.signature(OffloadEngine).bind(pin=plan.pin, pin_budget=plan.pin_budget)
+    assert bound.arguments == {"pin": False, "pin_budget": None}

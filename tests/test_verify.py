@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from actcfg.errors import VerifyError
+from actcfg.errors import ActcfgError, VerifyError
 from actcfg.schema import Policy
 from actcfg.verify import (
     GradDiff,
@@ -611,8 +611,8 @@ def test_verify_refuses_zero_steps():
 
 
 def test_verify_refuses_an_unknown_backend_with_the_choices():
-    with pytest.raises(VerifyError, match=r"^backend='deepsped' is not a backend; choose one of "
-                                          r"deepspeed, torch$"):
+    with pytest.raises(ActcfgError, match=r"^unknown backend 'deepsped': choose one of "
+                                          r"deepspeed, hf, lightning, torch$"):
         verify(lambda: None, OFFLOAD, backend="deepsped")
 
 

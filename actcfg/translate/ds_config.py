@@ -19,10 +19,13 @@ from pydantic import ValidationError
 
 from actcfg.errors import TranslationError
 from actcfg.schema import Policy
-from actcfg.translate._table import Key
-from actcfg.translate.deepspeed import BACKEND, SECTION, TABLE
+from actcfg.backends import Backend
+from actcfg.backends.deepspeed import SECTION, TABLE
+from actcfg.backends.table import Key
 
 __all__ = ["ALIASES", "ImportResult", "MODULES_PLACEHOLDER", "import_ds_config", "merge_ds_config"]
+
+BACKEND = Backend.DEEPSPEED.value
 
 # JSON key -> actcfg field, from the one DeepSpeed table.
 _FIELD_BY_KEY: dict[str, str] = {e.key: path for path, e in TABLE.items() if isinstance(e, Key)}

@@ -1,8 +1,10 @@
-"""Policy -> the torch-native `WrapPlan` the runtime executes: which checkpoint API wraps
-which modules with which kwargs, and how saved activations are offloaded.
+"""Policy -> the torch-native `WrapPlan` that `actcfg.apply` executes: which modules are
+checkpointed through which torch function with which keyword arguments, and how saved
+activations are offloaded.
 
-Pure: no I/O and no torch import; the plan is plain data. Every field's destination lives
-once, in `TABLE`.
+Pure: no I/O and no torch import; the plan is plain data, and the runtime dispatches on it, so
+what `actcfg translate --backend torch` prints is what runs. Every field's destination lives
+once, in `actcfg.backends.torch.TABLE`.
 """
 
 from __future__ import annotations
@@ -10,68 +12,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from actcfg.backends import Backend
+from actcfg.backends.table import MISSING, Key, field_value
+from actcfg.backends.torch import CHECKPOINT_API, OFFLOAD_ENGINE, TABLE
 from actcfg.schema import Policy
-from actcfg.errors import TranslationError
-from actcfg.translate._table import (
-    MISSING,
-    Entry,
-    Key,
-    Meta,
-    Unsupported,
-    check_expressible,
-    get_field,
-)
+from actcfg.translate._refuse import refuse_inexpressible
 
 __all__ = [
-    "COMPOSABLE_API",
-    "REENTRANT_API",
-    "TABLE",
+    "CHECKPOINT_API",
+    "OFFLOAD_ENGINE",
     "CheckpointPlan",
+    "ExternalCheckpointPlan",
     "OffloadPlan",
     "WrapPlan",
     "to_torch_native",
 ]
 
-BACKEND = "torch"
-# Composable checkpoint works through hooks, so module, parameter and state_dict names stay
-# unchanged (checkpoint_wrapper inserts `_checkpoint_wrapped_module.`, pytorch#117399); it
-# refuses use_reentrant=True, so reentrant policies go through the functional API.
-COMPOSABLE_API = "torch.distributed._composable.checkpoint"
-REENTRANT_API = "torch.utils.checkpoint.checkpoint"
-
-_DS_ONLY = "`{key}` is DeepSpeed-only ({what}); torch has no such setting: remove it, or translate for deepspeed"
-
-# actcfg field -> WrapPlan attribute (and the torch keyword argument it becomes).
-TABLE: dict[str, Entry] = {
-    "version": Meta("schema version of the policy file"),
-    "backend": Meta("chooses the translator"),
-    "checkpoint.mode": Key("checkpoint"),
-    "checkpoint.modules": Key("checkpoint.modules"),
-    "checkpoint.every": Key("checkpoint.every"),
-    "checkpoint.reentrant": Key("checkpoint.use_reentrant", "use_reentrant"),
-    "checkpoint.save_ops": Key("checkpoint.selective_save_ops", "context_fn"),
-    "cpu_checkpointing": Key("offload.scope"),
-    "pin": Key("offload.pin"),
-    "pin_budget": Key("offload.pin_budget"),
-    "partition": Unsupported(_DS_ONLY.format(
-        what="partition_activations; torch's analogue is tensor-parallel input_reshard",
-        key="partition")),
-    "contiguous": Unsupported(_DS_ONLY.format(what="contiguous_memory_optimization",
-                                              key="contiguous")),
-    "num_checkpoints": Unsupported(_DS_ONLY.format(what="number_checkpoints",
-                                                   key="num_checkpoints")),
-    "synchronize": Unsupported(_DS_ONLY.format(what="synchronize_checkpoint_boundary",
-                                               key="synchronize")),
-    "profile": Unsupported(_DS_ONLY.format(what="checkpoint profiling", key="profile")),
-}
-
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointPlan:
-    """Which modules are checkpointed, and through which torch API with which kwargs."""
+    """Which modules are checkpointed, and through which torch function with which kwargs."""
 
     modules: tuple[str, ...]
-    """fnmatch patterns, matched against each module's class name and qualified name."""
+    """fnmatch patterns, matched against each module's class names and qualified name."""
     every: int
     """Wrap every n-th matched module, in module order."""
     use_reentrant: bool
@@ -79,10 +42,10 @@ class CheckpointPlan:
     preserve_rng_state: bool = True
     """torch's `preserve_rng_state` kwarg: replay dropout identically in recomputation."""
     selective_save_ops: tuple[str, ...] | None = None
-    """Ops whose outputs are saved (`aten.mm` = `torch.ops.aten.mm`, every overload), for
-    `create_selective_checkpoint_contexts`; None = full recomputation."""
-    api: str
-    """Dotted name of the torch function that wraps each module."""
+    """Ops whose outputs are saved (`aten.mm` = every overload of `torch.ops.aten.mm`), given to
+    `create_selective_checkpoint_contexts` as `context_fn`; None = full recomputation."""
+    api: str = CHECKPOINT_API
+    """Dotted name of the torch function each selected module's forward is run through."""
 
     def kwargs(self) -> dict[str, Any]:
         """The keyword arguments `api` takes (the runtime adds `context_fn` for selective)."""
@@ -102,27 +65,44 @@ class CheckpointPlan:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ExternalCheckpointPlan:
+    """The model checkpoints itself (`checkpoint.mode: external`): nothing is wrapped."""
+
+    api: None = None
+    """No function of actcfg's: the model's own calls checkpoint."""
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able form."""
+        return {"api": None, "by": "the model"}
+
+
+@dataclass(frozen=True, kw_only=True)
 class OffloadPlan:
     """Saved activations kept in host memory until backward (saved-tensor hooks)."""
 
     scope: Literal["checkpoint_inputs", "all_saved"]
     """`checkpoint_inputs`: only what checkpointed modules save (their inputs), the same as
-    DeepSpeed cpu_checkpointing; `all_saved`: every saved activation (no checkpointing)."""
+    DeepSpeed cpu_checkpointing; `all_saved`: every activation autograd saves outside a
+    checkpointed call (all of them without checkpointing; with `mode: external`, what the
+    model's own checkpointed calls keep)."""
     pin: bool
     """Page-locked host buffers."""
     pin_budget: int | None
     """Most pinned bytes held; past it, pageable memory. None = unbounded."""
+    engine: str = OFFLOAD_ENGINE
+    """What offloads them."""
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able form, keys in a stable order."""
-        return {"scope": self.scope, "pin": self.pin, "pin_budget": self.pin_budget}
+        return {"engine": self.engine, "scope": self.scope, "pin": self.pin,
+                "pin_budget": self.pin_budget}
 
 
 @dataclass(frozen=True, kw_only=True)
 class WrapPlan:
     """What the torch runtime does to a model: checkpoint wrapping and activation offload."""
 
-    checkpoint: CheckpointPlan | None
+    checkpoint: CheckpointPlan | ExternalCheckpointPlan | None
     offload: OffloadPlan | None
 
     def to_json(self) -> dict[str, Any]:
@@ -138,7 +118,7 @@ def _destinations(policy: Policy) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for path, entry in TABLE.items():
         if isinstance(entry, Key):
-            value = get_field(policy, path)[0]
+            value = field_value(policy, path)[0]
             if value is not MISSING:
                 out[entry.key] = value
     return out
@@ -146,30 +126,24 @@ def _destinations(policy: Policy) -> dict[str, Any]:
 
 def to_torch_native(policy: Policy) -> WrapPlan:
     """The torch-native plan for `policy`; TranslationError for DeepSpeed-only settings."""
-    check_expressible(TABLE, policy, BACKEND)
+    refuse_inexpressible(policy, Backend.TORCH)
     dest = _destinations(policy)
-    checkpoint = None
     mode = dest["checkpoint"]
-    if mode != "none":
-        reentrant = dest["checkpoint.use_reentrant"]
-        if mode == "selective" and reentrant:
-            raise TranslationError(
-                "checkpoint.reentrant", BACKEND,
-                "selective checkpointing runs only on torch's non-reentrant checkpoint; "
-                "remove `reentrant: true`, or use `mode: full`",
-            )
+    checkpoint: CheckpointPlan | ExternalCheckpointPlan | None = None
+    if mode == "external":
+        checkpoint = ExternalCheckpointPlan()
+    elif mode != "none":
         checkpoint = CheckpointPlan(
             modules=tuple(dest["checkpoint.modules"]),
             every=dest["checkpoint.every"],
-            use_reentrant=reentrant,
+            use_reentrant=dest["checkpoint.use_reentrant"],
             selective_save_ops=(tuple(dest["checkpoint.selective_save_ops"])
                                 if mode == "selective" else None),
-            api=REENTRANT_API if reentrant else COMPOSABLE_API,
         )
     offload = None
     if dest["offload.scope"]:
         offload = OffloadPlan(
-            scope="all_saved" if mode == "none" else "checkpoint_inputs",
+            scope="checkpoint_inputs" if mode in ("full", "selective") else "all_saved",
             pin=dest["offload.pin"],
             pin_budget=dest["offload.pin_budget"],
         )
