@@ -1,34 +1,108 @@
-"""Module selection and undoable edits shared by the torch runtime and the DeepSpeed route.
+"""What both appliers do to a model's modules: select them, override their forward, call them
+through a checkpoint function with every tensor argument visible, and prepare Hugging Face models.
 
-Both backends select modules the same way (`checkpoint.modules`, `checkpoint.every`) and replace
-an instance's `forward` the same way; keeping that here lets `runtime` import the DeepSpeed route
-without the route importing `runtime` back.
+Module selection recognises modules by what they are (every class of their MRO, so FSDP2's
+`FSDPBlock` is a `Block`), and names them as the user wrote them. A forward override is a small
+callable in the instance's `__dict__`: module, parameter and state_dict names stay unchanged,
+`copy.deepcopy` rebinds it to the copy, torch.compile traces through it, and pickling an
+applied model stops with a sentence instead of saving actcfg's machinery with the weights.
 """
 
 from __future__ import annotations
 
+import copy
 import fnmatch
-import types
+import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from actcfg.errors import PolicyApplyError
+from actcfg.errors import ActcfgError, PolicyApplyError
 
-__all__ = ["INNER_FORWARD", "WRAPPED", "grad_path", "inner_forward", "override_forward", "select_modules"]
+__all__ = [
+    "APPLIED",
+    "NotPicklable",
+    "Undo",
+    "WRAPPED",
+    "call_with_flat_tensors",
+    "class_name",
+    "label",
+    "override_forward",
+    "prepare_hf_model",
+    "refuse_stacked_checkpointing",
+    "select_modules",
+]
 
-# Set in a module's __dict__ by an override; copy.deepcopy carries them, so a copy of an
-# applied model is recognised too (applying to it again would wrap twice).
+log = logging.getLogger("actcfg")
+
+# Set in a module's __dict__ by apply (APPLIED, on the root) and by each override (WRAPPED);
+# copy.deepcopy carries them, so a copy of an applied model is recognised too.
+APPLIED = "_actcfg_applied"
 WRAPPED = "_actcfg_wrapped"
-INNER_FORWARD = "_actcfg_inner_forward"
+
+
+class Undo(Protocol):
+    """Where an edit registers the step that takes it back (`AppliedPolicy.undo`)."""
+
+    def push(self, step: Callable[[], None]) -> None: ...
+
+
+class NotPicklable:
+    """Refuses pickling with a sentence; `copy.deepcopy` still copies (see each subclass)."""
+
+    def __reduce__(self) -> Any:
+        raise ActcfgError(
+            "this model carries an actcfg policy, which cannot be pickled with it (torch.save of "
+            "the whole model): save model.state_dict() instead (names are unchanged under "
+            "actcfg), or call remove() on the handle actcfg.apply returned first"
+        )
+
+
+class Marker(NotPicklable):
+    """What `APPLIED`/`WRAPPED` hold: a description, shared (not copied) by deepcopy."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Marker:
+        return self
+
+    def __str__(self) -> str:
+        return self.text
+
+
+# --- selection -----------------------------------------------------------------------------
+
+# Classes no pattern should match: every module is one, or they are a wrapper's own classes.
+_GENERIC = (nn.Module, object)
+
+
+def _own_classes(module: nn.Module) -> list[type]:
+    """The module's classes a pattern may name: its MRO without nn.Module/object and without the
+    wrapper classes torch.distributed adds (FSDP2's `FSDPModule` and `FSDP<Name>`)."""
+    return [c for c in type(module).__mro__
+            if c not in _GENERIC and not c.__module__.startswith("torch.distributed")]
+
+
+def class_name(module: nn.Module) -> str:
+    """The class name the user knows: `Block` for FSDP2's `FSDPBlock`."""
+    own = _own_classes(module)
+    return own[0].__name__ if own else type(module).__name__
+
+
+def label(name: str, module: nn.Module) -> str:
+    """`blocks.0` (Block), or `the model (BlockStack)` for the root."""
+    return f"`{name}` ({class_name(module)})" if name else f"the model ({class_name(module)})"
 
 
 def _matches(pattern: str, name: str, module: nn.Module) -> bool:
-    """fnmatch on the class name; on the qualified name segment by segment, so that `*` never
-    crosses a dot (`layers.*` is `layers.0`, not `layers.0.mlp.fc1`)."""
-    if fnmatch.fnmatchcase(type(module).__name__, pattern):
+    """fnmatch on each class name of the module's MRO (a subclass of `Block` is a `Block`); on
+    the qualified name segment by segment, so that `*` never crosses a dot (`layers.*` is
+    `layers.0`, not `layers.0.mlp.fc1`)."""
+    if any(fnmatch.fnmatchcase(c.__name__, pattern) for c in _own_classes(module)):
         return True
     if not name:
         return False
@@ -40,36 +114,48 @@ def select_modules(model: nn.Module, patterns: tuple[str, ...], every: int) -> l
     """The (name, module) pairs `checkpoint.modules`/`every` select, in module order.
 
     PolicyApplyError for a pattern that matches nothing, a module matched together with one of
-    its descendants (nested checkpointing), or a container with no forward of its own.
+    its descendants (nested checkpointing), a container with no forward of its own, a TorchScript
+    module, and a module inside torch's checkpoint_wrapper (it would recompute twice).
     """
     named = list(model.named_modules())
-    matched: list[tuple[str, nn.Module]] = []
     for pattern in patterns:
         if not any(_matches(pattern, n, m) for n, m in named):
-            classes = sorted({type(m).__name__ for _, m in named})
+            classes = sorted({class_name(m) for _, m in named})
             names = [n for n, _ in named if n][:6]
             raise PolicyApplyError(
                 f"checkpoint.modules: pattern {pattern!r} matches no module of "
-                f"{type(model).__name__}; class names here: {', '.join(classes[:8])}"
+                f"{class_name(model)}; class names here: {', '.join(classes[:8])}"
                 f"{', ...' if len(classes) > 8 else ''}; qualified names: {', '.join(names)}"
                 f"{', ...' if len(named) - 1 > 6 else ''}"
             )
-    for n, m in named:
-        if any(_matches(p, n, m) for p in patterns):
-            matched.append((n, m))
+    matched = [(n, m) for n, m in named if any(_matches(p, n, m) for p in patterns)]
     for i, (outer, om) in enumerate(matched):
         for inner, im in matched[i + 1:]:
             if not outer or inner.startswith(outer + "."):
                 raise PolicyApplyError(
-                    f"checkpoint.modules: {_label(outer, om)} and its submodule {_label(inner, im)} "
+                    f"checkpoint.modules: {label(outer, om)} and its submodule {label(inner, im)} "
                     "are both matched: nested checkpointing recomputes the inner module twice; "
                     "narrow the patterns so that only one of them matches"
                 )
+    wrappers = [n for n, m in named if type(m).__name__ == "CheckpointWrapper"]
     for n, m in matched:
+        if isinstance(m, torch.jit.ScriptModule):
+            raise PolicyApplyError(
+                f"checkpoint.modules: {label(n, m)} is a TorchScript module, whose forward actcfg "
+                "cannot wrap; apply the policy before torch.jit.script, or narrow the patterns "
+                "so that they match eager modules only"
+            )
         if type(m).forward is nn.Module.forward:
             raise PolicyApplyError(
-                f"checkpoint.modules: {_label(n, m)} has no forward of its own (a container); "
+                f"checkpoint.modules: {label(n, m)} has no forward of its own (a container); "
                 f"checkpoint its children instead, such as `{n + '.*' if n else '*'}`"
+            )
+        inside = next((w for w in wrappers if n == w or n.startswith(w + ".")), None)
+        if inside is not None:
+            raise PolicyApplyError(
+                f"checkpoint.modules: {label(n, m)} is inside torch's checkpoint_wrapper "
+                f"(`{inside or 'the model'}`), which already checkpoints it: actcfg would "
+                "recompute it twice; remove the checkpoint_wrapper, or do not checkpoint it here"
             )
     chosen = [nm for i, nm in enumerate(matched) if (i + 1) % every == 0]
     if not chosen:
@@ -81,51 +167,140 @@ def select_modules(model: nn.Module, patterns: tuple[str, ...], every: int) -> l
     return chosen
 
 
-def _label(name: str, module: nn.Module) -> str:
-    return f"`{name}` ({type(module).__name__})" if name else f"the model ({type(module).__name__})"
+# --- forward overrides ---------------------------------------------------------------------------
 
 
-# --- undoable module edits ---------------------------------------------------------------
+class _BoundForward(NotPicklable):
+    """`impl(module, inner, *args, **kwargs)` as the instance's forward, where `inner` is the
+    forward it replaced (an earlier instance forward, else the class's).
 
-
-def override_forward(handle: Any, name: str, module: nn.Module,
-                      forward: Callable[..., Any], what: str) -> None:
-    """Make `forward(module, *args, **kwargs)` the instance's forward, as a bound method."""
-    d = module.__dict__
-    if "forward" in d:
-        d[INNER_FORWARD] = d["forward"]
-    d["forward"] = types.MethodType(forward, module)
-    d[WRAPPED] = what
-
-    def undo() -> None:
-        d.pop("forward", None)
-        d.pop(WRAPPED, None)
-        if INNER_FORWARD in d:
-            d["forward"] = d.pop(INNER_FORWARD)
-
-    handle._undo.append(undo)
-
-
-def inner_forward(module: nn.Module) -> Callable[..., Any]:
-    """The forward actcfg's override wraps: an earlier instance forward, else the class's."""
-    inner = module.__dict__.get(INNER_FORWARD)
-    return inner if inner is not None else type(module).forward.__get__(module, type(module))
-
-
-def grad_path(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Reentrant checkpointing computes parameter gradients only if an input requires grad.
-
-    When none does (the first block of a model whose input is data), the first floating-point
-    input is replaced by a detached copy that requires grad; its gradient is discarded.
+    Holds its module; `copy.deepcopy` of the model maps that to the copy, so the copy computes
+    with its own weights. `impl` holds only settings and counters, shared by copies.
     """
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if any(t.requires_grad for t in tensors):
-        return args
-    if not any(p.requires_grad for p in module.parameters()):
-        return args
-    out = list(args)
-    for i, a in enumerate(out):
-        if isinstance(a, torch.Tensor) and a.is_floating_point():
-            out[i] = a.detach().requires_grad_()
-            break
-    return tuple(out)
+
+    def __init__(self, impl: Callable[..., Any], module: nn.Module, previous: Any) -> None:
+        self.impl = impl
+        self.module = module
+        self.previous = previous
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        inner = self.previous if self.previous is not None else type(module).forward.__get__(module)
+        return self.impl(module, inner, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _BoundForward:
+        return _BoundForward(self.impl, copy.deepcopy(self.module, memo),
+                             copy.deepcopy(self.previous, memo))
+
+
+def override_forward(undo: Undo, module: nn.Module, impl: Callable[..., Any], what: str) -> None:
+    """Make `impl(module, inner, *args, **kwargs)` the instance's forward, undoably; overrides
+    stack (the root can be checkpointed and scope the offload)."""
+    d = module.__dict__
+    previous, previous_marker = d.get("forward"), d.get(WRAPPED)
+    d[WRAPPED] = Marker(what if previous_marker is None else f"{previous_marker}; {what}")
+    d["forward"] = _BoundForward(impl, module, previous)
+
+    def undo_it() -> None:
+        for key, value in (("forward", previous), (WRAPPED, previous_marker)):
+            if value is None:
+                d.pop(key, None)
+            else:
+                d[key] = value
+
+    undo.push(undo_it)
+
+
+def call_with_flat_tensors(
+    checkpoint_fn: Callable[..., Any],
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    needs_grad_input: bool,
+    flat_outputs: bool,
+    **options: Any,
+) -> Any:
+    """`checkpoint_fn(run, *tensors, **options)`, where `tensors` are every tensor in `args` and
+    `kwargs` (inside lists, tuples and dicts too) and `run` rebuilds the call.
+
+    A checkpoint function sees, saves and routes gradients through its positional tensors only:
+    a tensor inside a container or passed by keyword would get no gradient from a reentrant or
+    DeepSpeed checkpoint (silently wrong), and would stay on the GPU past actcfg's offload
+    hooks. `needs_grad_input` adds a 1-element tensor that requires grad when no input does
+    (integer-only inputs such as token ids): reentrant and DeepSpeed checkpoints compute
+    parameter gradients only for calls with such an input. `flat_outputs` returns the outputs
+    as a flat tuple of tensors to the checkpoint function and rebuilds their structure after
+    (reentrant and DeepSpeed checkpoints drop gradients of tensors inside a dict output).
+    """
+    leaves, spec = tree_flatten((args, kwargs))
+    at = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    tensors = [leaves[i] for i in at]
+    # Only non-tensor leaves stay in the closure: a tensor held here would outlive the offload.
+    template = [None if isinstance(v, torch.Tensor) else v for v in leaves]
+    dummy = 0
+    if needs_grad_input and torch.is_grad_enabled() and not any(t.requires_grad for t in tensors):
+        device = tensors[0].device if tensors else None
+        tensors.append(torch.ones(1, device=device, requires_grad=True))
+        dummy = 1
+    out_spec: list[Any] = []
+
+    def run(*given: torch.Tensor) -> Any:
+        filled = list(template)
+        for i, t in zip(at, given[: len(given) - dummy] if dummy else given):
+            filled[i] = t
+        a, k = tree_unflatten(filled, spec)
+        out = fn(*a, **k)
+        if not flat_outputs:
+            return out
+        out_leaves, o_spec = tree_flatten(out)
+        out_spec[:] = [o_spec, [None if isinstance(v, torch.Tensor) else v for v in out_leaves]]
+        return tuple(v for v in out_leaves if isinstance(v, torch.Tensor))
+
+    result = checkpoint_fn(run, *tensors, **options)
+    if not flat_outputs:
+        return result
+    o_spec, o_template = out_spec
+    flat = list(result) if isinstance(result, (tuple, list)) else [result]
+    it = iter(flat)
+    return tree_unflatten([next(it) if v is None else v for v in o_template], o_spec)
+
+
+# --- model-level guards --------------------------------------------------------------------------
+
+
+def _hf_layer(module: nn.Module) -> bool:
+    return any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)
+
+
+def refuse_stacked_checkpointing(model: nn.Module) -> None:
+    """PolicyApplyError when the model already checkpoints layers itself (Hugging Face's
+    activation checkpointing is on): actcfg's checkpointing would recompute them twice."""
+    for name, module in model.named_modules():
+        if _hf_layer(module) and getattr(module, "gradient_checkpointing", False):
+            raise PolicyApplyError(
+                f"{label(name, module)} already has Hugging Face activation checkpointing on "
+                "(gradient_checkpointing=True), and the policy checkpoints too: every layer would "
+                "be recomputed twice. Turn Hugging Face's off (model.activation_checkpointing_disable(), "
+                "or TrainingArguments(activation_checkpointing=False, gradient_checkpointing=False)), "
+                "or write `checkpoint: {mode: external}` to keep Hugging Face's and let actcfg "
+                "offload around it"
+            )
+
+
+def prepare_hf_model(model: nn.Module, undo: Undo) -> None:
+    """Turn `use_cache` off on Hugging Face models, as transformers does when it checkpoints: a
+    KV cache built in a training forward keeps two block inputs per layer on the GPU. One log
+    line; remove() turns it back on."""
+    seen: set[int] = set()
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if (config is None or id(config) in seen or getattr(config, "use_cache", None) is not True
+                or not any(c.__name__ == "PreTrainedModel" for c in type(module).__mro__)):
+            continue
+        seen.add(id(config))
+        config.use_cache = False
+        undo.push(lambda config=config: setattr(config, "use_cache", True))
+        log.info("actcfg: turned off use_cache on %s's config, as transformers does when it "
+                 "checkpoints (a KV cache built in training keeps two block inputs per layer)",
+                 class_name(module))

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import gc
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from actcfg._version import __version__
@@ -20,12 +21,14 @@ from actcfg.checker import check_document, check_file, failure_diagnostic
 from actcfg.diagnostics import REPORTER_BY_NAME, Diagnostic, Result
 from actcfg.errors import ActcfgError, TranslationError
 from actcfg.loader import LoadFailure, read_document, read_json
-from actcfg.schema import Backend, policy_json_schema
+from actcfg.backends import RUNTIME_BACKENDS, Backend
+from actcfg.schema import policy_json_schema
 
 __all__ = ["COMMANDS", "main"]
 
 _UNREADABLE = frozenset({"file-not-found", "file-unreadable"})
 _BACKENDS = [b.value for b in Backend]
+_RUNTIME_BACKENDS = [b.value for b in RUNTIME_BACKENDS]
 
 
 class _Usage(Exception):
@@ -133,7 +136,7 @@ def _translate(args: argparse.Namespace) -> int:
     _report(diagnostics)
     if policy is None:
         return 1
-    backend = Backend(args.backend) if args.backend else policy.backend
+    backend = Backend.parse(args.backend) if args.backend else policy.backend
     if args.merge and backend is not Backend.DEEPSPEED:
         raise _Usage("--merge needs the deepspeed backend (it edits a ds_config)")
     try:
@@ -201,9 +204,9 @@ def _add_import(sub: Any) -> None:
 
 def _verify(args: argparse.Namespace) -> int:
     # Imported here, not above: verify measures with torch, and validate must never load it.
-    from actcfg.verify import DEFAULT_MODEL, ensure_deepspeed_process_group, load_factory, require_cuda, verify
-    from actcfg.verify_report import REPORTER_BY_NAME as RENDERERS
-    from actcfg.verify_report import plot_memory, require_plotting
+    from actcfg.verify import DEFAULT_MODEL, load_factory, require_cuda, verify
+    from actcfg.verify.render import REPORTER_BY_NAME as RENDERERS
+    from actcfg.verify.render import plot_memory, require_plotting
 
     policy, diagnostics = check_file(args.config, backends=(args.backend,) if args.backend else ())
     _report(diagnostics)
@@ -211,16 +214,16 @@ def _verify(args: argparse.Namespace) -> int:
         return _exit_code(diagnostics) or 1  # an invalid policy is 1, as in validate; unreadable 2
     if args.steps < 1:
         raise _Usage(f"--steps must be at least 1, got {args.steps}")
+    backend = Backend.parse(args.backend) if args.backend else policy.backend
     try:  # what would stop the run is found before the GPU work, and is a usage error
         factory = load_factory(args.model or DEFAULT_MODEL)
         require_cuda()
         if args.plot:
             require_plotting()
-        if (Backend(args.backend) if args.backend else policy.backend) is Backend.DEEPSPEED:
-            ensure_deepspeed_process_group()
     except ActcfgError as e:
         raise _Usage(str(e)) from None
-    report = verify(factory, policy, steps=args.steps, backend=args.backend)
+    with _process_group(backend):
+        report = verify(factory, policy, steps=args.steps, backend=args.backend)
     _out(RENDERERS[args.format](report))
     if args.plot:
         try:
@@ -232,6 +235,45 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+@contextlib.contextmanager
+def _process_group(backend: Backend) -> Iterator[None]:
+    """A one-process NCCL group for a DeepSpeed policy when no launcher started one, destroyed
+    after: DeepSpeed's `configure` asks torch.distributed for the rank even on one GPU. Under
+    a launcher (WORLD_SIZE set) or with a group already up, nothing is started or stopped."""
+    if backend is not Backend.DEEPSPEED:
+        yield
+        return
+    import socket
+
+    import torch.distributed as dist
+
+    if (dist.is_available() and dist.is_initialized()) or "WORLD_SIZE" in os.environ:
+        yield
+        return
+    try:
+        import deepspeed
+    except ImportError:
+        raise _Usage("this policy's backend is deepspeed: pip install actcfg[deepspeed]") from None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0"}
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        deepspeed.init_distributed(dist_backend="nccl", dist_init_required=True)
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def _add_verify(sub: Any) -> None:
     p = sub.add_parser("verify", help="run a model plain and with the policy on the GPU; exit 1 "
                                       "if a promise of the policy does not hold")
@@ -239,7 +281,7 @@ def _add_verify(sub: Any) -> None:
     p.add_argument("--model", metavar="PKG.MODULE:FACTORY",
                    help="factory returning (model, example_inputs), or a model with an "
                         "example_inputs attribute or method (default: actcfg.probes:linear_chain)")
-    p.add_argument("--backend", choices=_BACKENDS, help="default: the policy's `backend`")
+    p.add_argument("--backend", choices=_RUNTIME_BACKENDS, help="default: the policy's `backend`")
     p.add_argument("--steps", type=int, default=3, help="forward+backward steps per run (default 3)")
     p.add_argument("--format", choices=["json", "text"], default="text", help="output format")
     p.add_argument("--plot", metavar="PNG", help="also write memory per block, plain vs policy")

@@ -22,7 +22,21 @@ fastest offload runtimes do (../shared/reference/BACKENDS.md section 3):
   views came back contiguous got gradients 14% off the plain run's, every step (this engine's
   first version); torch's `save_on_cpu`, which also returns them contiguous, was 17% off in one
   run of several. With the layout kept, the error is the plain run's own run-to-run noise.
-* Parameters, buffers and tensors under `min_offload_bytes` are never offloaded.
+* What stays where it is is decided per tensor when autograd saves it, never from a list built
+  beforehand (FSDP2 swaps parameters for sharded ones and frees their storage between forward
+  and backward): parameters and views of them, leaves that require grad (their owner holds them
+  anyway), the module's buffers, tensor subclasses (DTensor, ...), non-strided layouts, tensors
+  on another device, and tensors under `min_offload_bytes`. Each is version-checked on unpack,
+  as autograd would: an in-place change after saving raises instead of giving wrong gradients.
+* Every step is counted (`OffloadStats`). A training forward that saved activations inside the
+  engine's scope and offloaded none of them warns once (`OffloadWarning`) with the reason: an
+  offload that does nothing is never silent.
+* The hooks run outside torch.compile's graphs (`torch.compiler.disable`): dynamo must neither
+  trace them once and replay nothing, nor recompile them per tensor.
+
+The engine runs on CUDA. `host_loopback()` lets it run on the CPU, "offloading" CPU tensors into
+separate host buffers with synchronous copies: every decision, count and check is the same, so
+CPU-only CI exercises the real engine; `actcfg.apply` never offloads CPU models otherwise.
 """
 
 from __future__ import annotations
@@ -34,17 +48,37 @@ import weakref
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from actcfg.errors import OffloadError
 
-__all__ = ["OffloadEngine", "OffloadStats", "OffloadWarning"]
+__all__ = ["OffloadEngine", "OffloadStats", "OffloadWarning", "host_loopback", "loopback_enabled"]
+
+_LOOPBACK = threading.local()
+
+
+@contextlib.contextmanager
+def host_loopback() -> Iterator[None]:
+    """Within this block, engines may be built for the CPU (copies are synchronous), and
+    `actcfg.apply` offloads CPU models: for tests and CI without a GPU."""
+    before = getattr(_LOOPBACK, "on", False)
+    _LOOPBACK.on = True
+    try:
+        yield
+    finally:
+        _LOOPBACK.on = before
+
+
+def loopback_enabled() -> bool:
+    """True inside `host_loopback()`."""
+    return getattr(_LOOPBACK, "on", False)
 
 
 class OffloadWarning(UserWarning):
-    """The engine had to depart from the policy (pageable instead of pinned memory)."""
+    """The engine departed from the policy (pageable memory) or its offload had no effect."""
 
 
 @dataclass
@@ -61,6 +95,15 @@ class OffloadStats:
     """Buffers that should have been pinned but were pageable (budget reached or pinning failed)."""
     steps: int = 0
     """Forward passes run under the engine."""
+    groups: int = 0
+    """Groups (blocks) the last step's forward was cut into."""
+    packed_tensors: int = 0
+    """Tensors autograd saved inside the last step's forward."""
+    packed_bytes: int = 0
+    """Their bytes (views counted at their own size)."""
+    kept_bytes_by_reason: dict[str, int] | None = None
+    """Bytes of saved tensors of `min_offload_bytes` or more that stayed in place in the last
+    step, by reason: `parameter`, `leaf`, `buffer`, `subclass`, `layout`, `device`, `view`."""
     offloaded_bytes: int = 0
     """Bytes copied to the host in the last step."""
     offloaded_tensors: int = 0
@@ -73,6 +116,59 @@ class OffloadStats:
     """Storages in the last backward whose reload was not prefetched (started only when needed)."""
     kept_views: int = 0
     """Saved views of a storage over 4x their size, left on the GPU in the last step."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The counters as JSON-able data."""
+        return {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(self).items()}
+
+
+# --- copies: CUDA streams, or synchronous copies on the host ------------------------------------
+
+
+class _DoneEvent:
+    """A host-loopback event: the copy it stands for finished before it was made."""
+
+    def query(self) -> bool:
+        return True
+
+
+class _HostStream:
+    """A host-loopback stream: copies run synchronously on the calling thread."""
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self) -> _DoneEvent:
+        return _DoneEvent()
+
+
+class _Copies:
+    """The three streams the engine orders its copies with, on one device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        if self.cuda:
+            self.d2h: Any = torch.cuda.Stream(device)
+            self.h2d: Any = torch.cuda.Stream(device)
+        else:
+            self.d2h = self.h2d = _HostStream()
+
+    def compute(self) -> Any:
+        return torch.cuda.current_stream(self.device) if self.cuda else _HostStream()
+
+    def on(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
+
+    def record(self, tensor: torch.Tensor, stream: Any) -> None:
+        if self.cuda:
+            tensor.record_stream(stream)
+
+
+# --- host memory ------------------------------------------------------------------------------
 
 
 class _HostPool:
@@ -88,7 +184,7 @@ class _HostPool:
         self._pin = pin
         self._budget = pin_budget
         self._stats = stats
-        self._free: dict[int, list[tuple[torch.Tensor, torch.cuda.Event | None, bool]]] = {}
+        self._free: dict[int, list[tuple[torch.Tensor, Any, bool]]] = {}
         self._registered: list[torch.Tensor] = []
         self._pin_failed = False
         self._warned = False
@@ -96,7 +192,7 @@ class _HostPool:
         # collection in the middle of acquire() on the same thread.
         self._lock = threading.RLock()
 
-    def acquire(self, nbytes: int) -> tuple[torch.Tensor, torch.cuda.Event | None, bool]:
+    def acquire(self, nbytes: int) -> tuple[torch.Tensor, Any, bool]:
         """A uint8 host buffer of at least `nbytes`, the event its last reader recorded, and
         whether it is pinned. Use its first `nbytes`; release the whole buffer."""
         with self._lock:
@@ -110,7 +206,7 @@ class _HostPool:
         self._stats.pageable_bytes += nbytes
         return buffer, None, False
 
-    def release(self, buffer: torch.Tensor, event: torch.cuda.Event | None, pinned: bool) -> None:
+    def release(self, buffer: torch.Tensor, event: Any, pinned: bool) -> None:
         with self._lock:
             self._free.setdefault(buffer.numel(), []).append((buffer, event, pinned))
 
@@ -158,6 +254,7 @@ class _HostPool:
         """Unpin and drop every buffer. The caller makes sure no copy is in flight."""
         with self._lock:
             if not self._registered:
+                self._free.clear()
                 return
             torch.cuda.synchronize()  # no copy may still touch a buffer we unpin
             cudart = torch.cuda.cudart()
@@ -167,15 +264,24 @@ class _HostPool:
             self._free.clear()
 
 
-class _Kept:
-    """A saved tensor that stays where it is (small, a parameter, or not on the GPU)."""
+# --- what autograd keeps ------------------------------------------------------------------------
 
-    __slots__ = ("tensor",)
+
+def _version(tensor: torch.Tensor) -> int | None:
+    # Inference tensors have no version counter; nothing can change them in place anyway.
+    return None if tensor.is_inference() else tensor._version
+
+
+class _Kept:
+    """A saved tensor that stays where it is, checked for in-place changes on unpack."""
+
+    __slots__ = ("tensor", "version")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         # detach(): holding the tensor with its grad_fn would make a reference cycle through
-        # the graph that saved it.
+        # the graph that saved it. It shares the version counter, so changes still show.
         self.tensor = tensor.detach()
+        self.version = _version(tensor)
 
 
 class _Step:
@@ -194,15 +300,15 @@ class _Group:
         self.chunks: list[weakref.ref[_Chunk]] = []
         self.offloaded = False  # copies to the host were launched
         self.kept = False  # last group of its forward: never offloaded
-        self.d2h_done: torch.cuda.Event | None = None
-        self.h2d_done: torch.cuda.Event | None = None
+        self.d2h_done: Any = None
+        self.h2d_done: Any = None
 
     def live(self) -> list[_Chunk]:
         return [c for ref in self.chunks if (c := ref()) is not None]
 
 
 class _Chunk:
-    """One GPU storage that saved tensors view, moved as a whole: its bytes go to the host and
+    """One device storage that saved tensors view, moved as a whole: its bytes go to the host and
     come back in one copy, and every view is rebuilt on the reloaded storage with its own
     size, strides and offset, so the unpacked tensor is laid out exactly like the saved one.
     (Layout matters: a backward kernel may be built for the strides it saw in forward.)"""
@@ -224,11 +330,11 @@ class _Chunk:
         self.pinned = False
         self.reloaded: torch.Tensor | None = None
         self.pool = pool
-        self.last_reader: torch.cuda.Event | None = None
+        self.last_reader: Any = None
         self.views: list[weakref.ref[_Saved]] = []
 
     def release_gpu(self) -> None:
-        """Drop every GPU reference to the storage (the caller has made its reuse safe)."""
+        """Drop every device reference to the storage (the caller has made its reuse safe)."""
         for ref in self.views:
             if (saved := ref()) is not None:
                 saved.check_version()
@@ -257,7 +363,7 @@ class _Saved:
         self.offset = tensor.storage_offset()
         self.dtype = tensor.dtype
         self.version = tensor._version
-        # The saved view itself, while its storage is on the GPU: in-place changes show here.
+        # The saved view itself, while its storage is on the device: in-place changes show here.
         self.view: torch.Tensor | None = tensor.detach()
         self.modified = False
 
@@ -272,12 +378,30 @@ class _Saved:
             self.modified = True
 
 
+def _stays(tensor: torch.Tensor, device: torch.device, buffers: set[int]) -> str | None:
+    """Why a saved tensor of offloadable size stays where it is, or None if it moves."""
+    if type(tensor) is not torch.Tensor:
+        return "parameter" if isinstance(tensor, nn.Parameter) else "subclass"
+    if tensor.layout is not torch.strided:
+        return "layout"
+    if tensor.device != device:
+        return "device"
+    if tensor.is_leaf and tensor.requires_grad:
+        return "leaf"  # an input or parameter that requires grad: its owner holds it anyway
+    base = tensor._base
+    if base is not None and (isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)):
+        return "parameter"
+    if buffers and tensor.untyped_storage().data_ptr() in buffers:
+        return "buffer"
+    return None
+
+
 class OffloadEngine:
     """Offloads saved activations of a forward pass to host memory and prefetches them for backward.
 
     Use `step()` around one forward pass and `mark_group()` at each block boundary inside it;
     the runtime (`actcfg.apply`) does both. Without any `mark_group()` every tensor stays in the
-    one (last) group, and nothing is offloaded.
+    one (last) group, nothing is offloaded, and the step warns.
     """
 
     def __init__(
@@ -290,33 +414,43 @@ class OffloadEngine:
         prefetch: int = 1,
         device: torch.device | str | None = None,
     ) -> None:
-        if not torch.cuda.is_available():
+        if device is None:
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if torch.cuda.is_available() else torch.device("cpu"))
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type != "cuda" and not (self.device.type == "cpu" and loopback_enabled()):
             raise OffloadError(
                 "cpu_checkpointing needs a CUDA GPU: activations are offloaded from GPU memory "
-                "to the host. On the CPU set `cpu_checkpointing: false`."
+                f"to the host, and this model is on {self.device}. On the CPU set "
+                "`cpu_checkpointing: false`."
             )
-        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise OffloadError("cpu_checkpointing needs a CUDA GPU, and torch sees none here")
         self.min_offload_bytes = min_offload_bytes
         self.max_inflight = max_inflight
         self.prefetch = prefetch
         self._stats = OffloadStats()
-        self._pool = _HostPool(pin, pin_budget, self._stats)
-        self._d2h = torch.cuda.Stream(self.device)
-        self._h2d = torch.cuda.Stream(self.device)
+        # Pinning is a CUDA registration: the host loopback copies between pageable buffers.
+        self._pool = _HostPool(pin and self.device.type == "cuda", pin_budget, self._stats)
+        self._copies = _Copies(self.device)
         self._skip_modules: list[weakref.ref[nn.Module]] = []
-        self._skip_storages: set[int] = set()
+        self._buffers: set[int] = set()
         self._step: _Step | None = None
+        self._owner: int | None = None
         self._open: _Group | None = None
         self._inflight: deque[_Group] = deque()
         self._chunks: dict[int, _Chunk] = {}
         self._closed = False
+        self._warned_no_effect = False
         # Unpin the pool even if close() is never called: freed memory must not stay registered.
         self._unpin_at_exit = weakref.finalize(self, self._pool.close)
 
     # --- configuration -----------------------------------------------------------------
 
     def skip_tensors_of(self, module: nn.Module) -> None:
-        """Never offload `module`'s parameters and buffers (nor views of them)."""
+        """Never offload `module`'s buffers (parameters are recognised as such when saved)."""
         self._skip_modules.append(weakref.ref(module))
 
     @property
@@ -328,24 +462,33 @@ class OffloadEngine:
 
     @contextlib.contextmanager
     def step(self) -> Iterator[OffloadEngine]:
-        """Offload what autograd saves inside this block; the last group stays on the GPU."""
+        """Offload what autograd saves inside this block; the last group stays on the device."""
         if self._closed:
             raise OffloadError("this offload engine was closed (the policy was removed)")
         if self._step is not None:
+            if self._owner != threading.get_ident():
+                raise OffloadError(
+                    "a second thread ran a training forward of this model while another "
+                    "thread's forward was being offloaded: actcfg's offload engine serves one "
+                    "forward at a time. Run the forwards one after another, or run the other "
+                    "thread's forward under torch.no_grad() or in eval mode"
+                )
             raise OffloadError("offload steps do not nest: a forward pass is already being offloaded")
         self._begin_step()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield self
-        finally:
-            self._end_step()
+        except BaseException:
+            self._end_step(judge=False)
+            raise
+        self._end_step(judge=True)
 
     def mark_group(self) -> None:
         """A block boundary: start offloading the group saved so far, open a new one."""
-        if self._step is None:
+        if self._step is None or self._owner != threading.get_ident():
             return
         # Room for the group about to leave: at most `max_inflight` copies run at once, which
-        # bounds the GPU memory held above flat to that many groups.
+        # bounds the device memory held above flat to that many groups.
         self._retire(keep=self.max_inflight - 1)
         group, self._open = self._open, self._new_group()
         if group is not None and group.live():
@@ -354,50 +497,89 @@ class OffloadEngine:
     def _begin_step(self) -> None:
         # Whatever an earlier step left in flight (a forward that raised, say) is settled first.
         self._retire(keep=0)
-        self._skip_storages = {
-            t.untyped_storage().data_ptr()
-            for ref in self._skip_modules
-            if (m := ref()) is not None
-            for t in (*m.parameters(), *m.buffers())
-        }
+        self._buffers = set()
+        for ref in self._skip_modules:
+            if (module := ref()) is not None:
+                for b in module.buffers():
+                    if type(b) is torch.Tensor and b.device == self.device:
+                        self._buffers.add(b.untyped_storage().data_ptr())
         st = self._stats
         st.steps += 1
         st.offloaded_bytes = st.offloaded_tensors = st.kept_bytes = 0
         st.reloaded_bytes = st.late_reloads = st.kept_views = 0
+        st.packed_tensors = st.packed_bytes = st.groups = 0
+        st.kept_bytes_by_reason = {}
         self._step = _Step()
+        self._owner = threading.get_ident()
         self._open = self._new_group()
         self._chunks = {}
 
-    def _end_step(self) -> None:
-        # Only the last group stays on the GPU: the copies still in flight are waited for (on
-        # the compute stream) and their GPU memory released, so backward starts from one block.
+    def _end_step(self, *, judge: bool) -> None:
+        # Only the last group stays on the device: the copies still in flight are waited for (on
+        # the compute stream) and their memory released, so backward starts from one block.
         self._retire(keep=0)
         group = self._open
         if group is not None:
             group.kept = True
             self._stats.kept_bytes = sum(c.nbytes for c in group.live())
+        self._stats.groups = len(self._step.groups) if self._step is not None else 0
         self._step = self._open = None
+        self._owner = None
         self._chunks = {}
+        if judge:
+            self._warn_if_no_effect()
+
+    def _warn_if_no_effect(self) -> None:
+        st = self._stats
+        if st.offloaded_bytes or self._warned_no_effect:
+            return
+        if st.packed_tensors == 0:
+            why = ("no saved activation reached the offload hooks: autograd saved nothing inside "
+                   "the scope (a compiled region that bypassed the hooks, frozen weights with "
+                   "an input that needs no grad, or a forward outside the model)")
+        elif st.kept_bytes >= self.min_offload_bytes and st.groups <= 1:
+            why = (f"all {_mb(st.kept_bytes)} of offloadable activations fell into one group, the "
+                   "last, which stays on the GPU for backward: no block boundary was seen during "
+                   "the forward (are the checkpointed or grouped modules ever called?)")
+        elif st.kept_bytes >= self.min_offload_bytes:
+            why = (f"the only offloadable activations ({_mb(st.kept_bytes)}) were saved in the last "
+                   "group, which stays on the GPU for backward")
+        elif st.kept_bytes_by_reason:
+            reasons = ", ".join(f"{_mb(n)} as {r}" for r, n in sorted(st.kept_bytes_by_reason.items()))
+            why = f"every large saved tensor stays in place by rule ({reasons})"
+        else:
+            why = (f"every saved tensor was under min_offload_bytes ({_mb(self.min_offload_bytes)}): "
+                   f"{st.packed_tensors} tensors, {_mb(st.packed_bytes)} in all")
+        self._warned_no_effect = True
+        warnings.warn(f"actcfg offload: a training forward offloaded nothing: {why}.",
+                      OffloadWarning, stacklevel=4)
 
     def _new_group(self) -> _Group:
         group = _Group(self._step, len(self._step.groups))
         self._step.groups.append(weakref.ref(group))
         return group
 
+    @torch.compiler.disable
     def _pack(self, tensor: torch.Tensor) -> _Saved | _Kept:
         nbytes = tensor.numel() * tensor.element_size()
-        if tensor.device.type != "cuda" or nbytes < self.min_offload_bytes:
+        st = self._stats
+        st.packed_tensors += 1
+        st.packed_bytes += nbytes
+        if nbytes < self.min_offload_bytes or self._step is None:
+            return _Kept(tensor)
+        reason = _stays(tensor, self.device, self._buffers)
+        if reason is not None:
+            st.kept_bytes_by_reason[reason] = st.kept_bytes_by_reason.get(reason, 0) + nbytes
             return _Kept(tensor)
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr in self._skip_storages:
-            return _Kept(tensor)
         chunk = self._chunks.get(ptr)
         if chunk is None or chunk.gpu is None or chunk.nbytes != storage.nbytes():
             if storage.nbytes() > _MAX_STORAGE_OVER_VIEW * nbytes:
                 # A small view of a large storage: moving the storage would move mostly other
                 # data, and a copy of the view alone would change its layout. It stays.
-                self._stats.kept_views += 1
+                st.kept_views += 1
+                st.kept_bytes_by_reason["view"] = st.kept_bytes_by_reason.get("view", 0) + nbytes
                 return _Kept(tensor)
             chunk = _Chunk(tensor, self._open, self._pool)
             self._open.chunks.append(weakref.ref(chunk))
@@ -407,33 +589,33 @@ class OffloadEngine:
         return saved
 
     def _launch_offload(self, group: _Group) -> None:
-        compute = torch.cuda.current_stream(self.device)
-        self._d2h.wait_stream(compute)  # the producers of this group's tensors come first
+        copies = self._copies
+        copies.d2h.wait_stream(copies.compute())  # the producers of this group's tensors come first
         st = self._stats
         chunks = [c for c in group.live() if c.gpu is not None]
-        with torch.cuda.stream(self._d2h):
+        with copies.on(copies.d2h):
             for chunk in chunks:
                 for ref in chunk.views:
                     if (saved := ref()) is not None:
                         saved.check_version()
                 buffer, last_reader, pinned = self._pool.acquire(chunk.nbytes)
                 if last_reader is not None:
-                    self._d2h.wait_event(last_reader)  # the reload that last read this buffer
+                    copies.d2h.wait_event(last_reader)  # the reload that last read this buffer
                 host = buffer[: chunk.nbytes]
                 host.copy_(chunk.gpu, non_blocking=pinned)
                 chunk.host, chunk.buffer, chunk.pinned = host, buffer, pinned
                 st.offloaded_bytes += chunk.nbytes
                 st.offloaded_tensors += 1
-            group.d2h_done = self._d2h.record_event()
+            group.d2h_done = copies.d2h.record_event()
         for chunk in chunks:
             chunk.last_reader = group.d2h_done
         group.offloaded = True
         self._inflight.append(group)
 
     def _retire(self, *, keep: int) -> None:
-        """Drop the GPU copies of groups whose host copy is done, then wait (on the compute
+        """Drop the device copies of groups whose host copy is done, then wait (on the compute
         stream, not the host) for the oldest copies until at most `keep` groups are in flight."""
-        compute = torch.cuda.current_stream(self.device)
+        compute = self._copies.compute()
         while self._inflight:
             group = self._inflight[0]
             if not group.d2h_done.query():
@@ -448,22 +630,25 @@ class OffloadEngine:
 
     # --- backward -------------------------------------------------------------------------
 
+    @torch.compiler.disable
     def _unpack(self, packed: _Saved | _Kept) -> torch.Tensor:
         if isinstance(packed, _Kept):
+            if packed.version is not None and packed.tensor._version != packed.version:
+                raise _modified_error(packed.tensor.size(), packed.tensor.dtype)
             return packed.tensor
         saved = packed
         chunk = saved.chunk
         self._prefetch_below(chunk.group)
         saved.check_version()
         if saved.modified:
-            raise _modified_error(saved)
-        if saved.view is not None:  # the last group: it never left the GPU
+            raise _modified_error(saved.size, saved.dtype)
+        if saved.view is not None:  # the last group: it never left the device
             return saved.view
         if chunk.reloaded is None:
             if chunk.group.h2d_done is None:
                 self._stats.late_reloads += 1
             self._reload(chunk.group, only=chunk)
-        torch.cuda.current_stream(self.device).wait_event(chunk.group.h2d_done)
+        self._copies.compute().wait_event(chunk.group.h2d_done)
         return saved.on(chunk.reloaded)
 
     def _prefetch_below(self, group: _Group) -> None:
@@ -480,8 +665,9 @@ class OffloadEngine:
             wanted -= 1
 
     def _reload(self, group: _Group, only: _Chunk | None = None) -> None:
-        """Copy a group's chunks (or one chunk) back to the GPU on the reload stream."""
-        compute = torch.cuda.current_stream(self.device)
+        """Copy a group's chunks (or one chunk) back to the device on the reload stream."""
+        copies = self._copies
+        compute = copies.compute()
         targets = [only] if only is not None else group.live()
         targets = [c for c in targets if c.gpu is None and c.host is not None and c.reloaded is None]
         try:
@@ -490,27 +676,29 @@ class OffloadEngine:
             destinations = [torch.empty(c.nbytes, dtype=torch.uint8, device=c.device) for c in targets]
         except torch.cuda.OutOfMemoryError as e:
             need = sum(c.nbytes for c in targets)
-            raise OffloadError(
-                f"out of GPU memory while reloading {need / 2**20:.0f} MiB of offloaded activations "
-                "for backward. Checkpoint more modules (`checkpoint.modules`, `checkpoint.every: 1`) "
-                "so fewer and smaller activations come back at once, or reduce the batch size."
-            ) from e
-        self._h2d.wait_stream(compute)
+            e.add_note(
+                f"actcfg: out of GPU memory while reloading {need / 2**20:.0f} MiB of offloaded "
+                "activations for backward. Checkpoint more modules (`checkpoint.modules`, "
+                "`checkpoint.every: 1`) so fewer and smaller activations come back at once, or "
+                "reduce the batch size."
+            )
+            raise
+        copies.h2d.wait_stream(compute)
         if group.d2h_done is not None:
-            self._h2d.wait_event(group.d2h_done)
+            copies.h2d.wait_event(group.d2h_done)
         if group.h2d_done is not None:
-            self._h2d.wait_event(group.h2d_done)  # one event keeps covering the whole group
-        with torch.cuda.stream(self._h2d):
+            copies.h2d.wait_event(group.h2d_done)  # one event keeps covering the whole group
+        with copies.on(copies.h2d):
             for chunk, gpu in zip(targets, destinations):
                 gpu.copy_(chunk.host, non_blocking=chunk.pinned)
                 # If the chunk dies before any view of it is unpacked (backward stopped early),
                 # its memory goes back to the compute stream: make that wait for this copy.
-                gpu.record_stream(self._h2d)
+                copies.record(gpu, copies.h2d)
                 # Held by the chunk, which dies with the last saved view of it: the reloaded
                 # storage lives as long as backward still needs one of its views.
                 chunk.reloaded = gpu
                 self._stats.reloaded_bytes += chunk.nbytes
-            done = self._h2d.record_event()
+            done = copies.h2d.record_event()
         for chunk in targets:
             chunk.last_reader = done
         group.h2d_done = done
@@ -531,12 +719,16 @@ class OffloadEngine:
 _MAX_STORAGE_OVER_VIEW = 4
 
 
-def _modified_error(saved: _Saved) -> RuntimeError:
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.1f} kB"
+
+
+def _modified_error(size: Any, dtype: torch.dtype) -> RuntimeError:
     # The same error autograd raises without hooks: a saved tensor changed in place after it was
     # saved, so its gradient would be computed from the wrong values.
     return RuntimeError(
         "one of the variables needed for gradient computation has been modified by an inplace "
-        f"operation: a saved tensor of shape {list(saved.size)} and dtype {saved.dtype} changed "
-        "after it was saved (detected by actcfg's offload engine). Avoid the in-place operation "
+        f"operation: a saved tensor of shape {list(size)} and dtype {dtype} changed after it "
+        "was saved (detected by actcfg's offload engine). Avoid the in-place operation "
         "(write `x = x + y`, not `x += y`)."
     )

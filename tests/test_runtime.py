@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
 
 import pytest
@@ -14,17 +15,15 @@ from actcfg.errors import ActcfgError, PolicyApplyError
 from actcfg.probes import Block, blocks, linear_chain
 from actcfg.runtime import AppliedPolicy, apply, select_modules
 
-COMPOSABLE = "torch.distributed._composable.checkpoint"
-REENTRANT = "torch.utils.checkpoint.checkpoint(use_reentrant=True)"
-SELECTIVE = ("torch.utils.checkpoint.checkpoint(use_reentrant=False, "
-             "context_fn=create_selective_checkpoint_contexts)")
+API = "torch.utils.checkpoint.checkpoint"
+NON_REENTRANT = {"use_reentrant": False, "preserve_rng_state": True}
 
-# name -> (checkpoint section without modules, the api the handle reports)
+# name -> (checkpoint section without modules, the kwargs the handle reports the api called with)
 MODES = {
-    "full": ({"mode": "full"}, COMPOSABLE),
-    "reentrant": ({"mode": "full", "reentrant": True}, REENTRANT),
-    "selective": ({"mode": "selective"}, SELECTIVE),
-    "every2": ({"mode": "full", "every": 2}, COMPOSABLE),
+    "full": ({"mode": "full"}, NON_REENTRANT),
+    "reentrant": ({"mode": "full", "reentrant": True}, {"use_reentrant": True, "preserve_rng_state": True}),
+    "selective": ({"mode": "selective"}, NON_REENTRANT),
+    "every2": ({"mode": "full", "every": 2}, NON_REENTRANT),
 }
 
 
@@ -70,16 +69,27 @@ def test_wraps_selected_modules_with_the_reported_api(mode):
     handle = apply(model, policy(mode, ["Block"]))
     want = ("blocks.1", "blocks.3") if mode == "every2" else tuple(f"blocks.{i}" for i in range(4))
     assert handle.checkpointed == want
-    assert handle.checkpoint_api == MODES[mode][1]
+    assert handle.checkpoint_api == API
+    assert handle.checkpoint.kwargs == MODES[mode][1]
     assert isinstance(handle, AppliedPolicy) and not handle.removed
     for name, module in model.named_modules():
         wrapped = name in want
         assert ("_actcfg_wrapped" in module.__dict__) == wrapped, name
-        if MODES[mode][1] == COMPOSABLE:
-            assert bool(module._forward_pre_hooks) == wrapped, name
-            assert "forward" not in module.__dict__
-        else:
-            assert ("forward" in module.__dict__) == wrapped, name
+        assert ("forward" in module.__dict__) == wrapped, name
+        assert not module._forward_pre_hooks and not module._forward_hooks, name
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_apply_executes_the_translated_plan(mode):
+    """What `actcfg translate --backend torch` prints is what runs: the same api and kwargs."""
+    from actcfg.checker import load
+    from actcfg.translate import to_torch_native
+
+    model, _ = small_blocks()
+    cfg = policy(mode, ["Block"])
+    plan = to_torch_native(load(cfg)).checkpoint
+    handle = apply(model, cfg)
+    assert (handle.checkpoint_api, handle.checkpoint.kwargs) == (plan.api, plan.kwargs())
 
 
 def test_every_counts_matches_in_module_order():
@@ -103,7 +113,7 @@ def test_summary_is_logged_once(caplog):
     assert lines == [handle.summary()]
     assert handle.summary() == (
         "actcfg: backend torch; full checkpointing of 2 modules (blocks.0, blocks.1) "
-        "via torch.distributed._composable.checkpoint"
+        "via torch.utils.checkpoint.checkpoint"
     )
 
 
@@ -115,6 +125,8 @@ def test_report_is_plain_data():
     assert report["checkpoint"]["modules"] == ["blocks.0", "blocks.1"]
     assert report["checkpoint"]["save_ops"][0] == "aten.mm"
     assert report["offload"] is None and report["deepspeed"] is None
+    assert report["effect"] == {"checkpoint": {"calls": 0, "runs": 0, "recomputes": 0}, "offload": None}
+    json.dumps(report)
 
 
 def test_cfg_can_be_yaml_text_or_policy_object():
@@ -289,7 +301,7 @@ def test_applying_to_a_submodule_of_an_applied_model_is_an_error():
     model, _ = small_blocks(2)
     apply(model, policy("full", ["Block"]))
     with pytest.raises(PolicyApplyError, match=r"^the model already carries an actcfg policy "
-                       r"\(checkpointed \(full, composable\)\); "):
+                       r"\(checkpointed \(full\)\); "):
         apply(model.blocks[0], policy("full", ["Linear"]))
 
 
@@ -421,19 +433,30 @@ def test_cpu_offload_without_cuda_is_a_clear_error(ckpt):
     assert module_state(model) == before
 
 
-def test_reentrant_refuses_tensor_keyword_arguments_at_call_time():
-    class Takes(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
+class TakesKeywords(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
 
-        def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
-            return self.lin(x) * scale
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * scale
 
-    outer = nn.Sequential(Takes())
-    apply(outer, policy("reentrant", ["Takes"]))
-    with pytest.raises(PolicyApplyError, match=r"^checkpoint\.reentrant: Takes was called with tensor keyword"):
-        outer[0](torch.randn(2, 4), scale=torch.ones(1))
+
+@pytest.mark.parametrize("mode", ["full", "reentrant"])
+def test_tensor_keyword_arguments_get_their_gradients(mode):
+    torch.manual_seed(0)
+    outer = nn.Sequential(TakesKeywords())
+    plain = copy.deepcopy(outer)
+    apply(outer, policy(mode, ["TakesKeywords"]))
+    x = torch.randn(2, 4, requires_grad=True)
+    grads = []
+    for model in (plain, outer):
+        scale = torch.full((1,), 3.0, requires_grad=True)
+        model[0](x, scale=scale).square().sum().backward()
+        grads.append((x.grad.clone(), scale.grad.clone(), model[0].lin.weight.grad.clone()))
+        x.grad = None
+    for got, want in zip(grads[1], grads[0]):
+        assert torch.equal(got, want)
 
 
 # --- faults ------------------------------------------------------------------------------
@@ -511,123 +534,106 @@ def test_an_exception_in_backward_leaves_the_next_step_working(mode):
     assert module_state(model) == before
 
 
-# --- offload wiring (the engine itself needs CUDA: tests/test_runtime_cuda.py) ------------
+# --- offload wiring, through the real engine on the host (tests/test_offload.py: the engine) --
 
 
-class RecordingEngine:
-    """Stands in for OffloadEngine on the CPU: records what the runtime's hooks call."""
+@pytest.fixture
+def loopback():
+    from actcfg.offload import host_loopback
 
-    def __init__(self, **kwargs) -> None:
-        self.kwargs = kwargs
-        self.events: list[str] = []
-        self.min_offload_bytes = 1 << 20
-        self.device = torch.device("cpu")
-        self.skipped: list[nn.Module] = []
-
-    def skip_tensors_of(self, module: nn.Module) -> None:
-        self.skipped.append(module)
-
-    def step(self):
-        engine = self
-
-        class Step:
-            def __enter__(self):
-                engine.events.append("enter")
-
-            def __exit__(self, *exc):
-                engine.events.append("exit")
-
-        return Step()
-
-    def mark_group(self) -> None:
-        self.events.append("mark")
-
-    def close(self) -> None:
-        self.events.append("close")
+    with host_loopback():
+        yield
 
 
-def wire_offload(model: nn.Module, cfg: dict) -> tuple[AppliedPolicy, RecordingEngine]:
-    from actcfg.checker import load
-    from actcfg.runtime import _apply_offload
-    from actcfg.translate import to_torch_native
-
-    policy = load(cfg)
-    plan = to_torch_native(policy)
-    handle = AppliedPolicy(model, policy, policy.backend)
-    selected = select_modules(model, plan.checkpoint.modules, plan.checkpoint.every) if plan.checkpoint else []
-    _apply_offload(model, plan.offload, selected, handle, engine_type=RecordingEngine)
-    return handle, handle.engine
+def big_blocks(n: int = 3) -> tuple[nn.Module, torch.Tensor]:
+    """Blocks whose inputs (64 KiB) pass a lowered min_offload_bytes."""
+    torch.manual_seed(0)
+    return blocks(n=n, d_model=64, heads=4, ffn=128, batch=4, seq=64, dtype=torch.float32, device="cpu")
 
 
-def test_offload_step_scopes_training_forwards_and_marks_each_group():
-    model, x = small_blocks(3)
+def apply_offload(model: nn.Module, cfg: dict) -> AppliedPolicy:
+    handle = apply(model, cfg)
+    handle.engine.min_offload_bytes = 1 << 14
+    return handle
+
+
+def test_offload_groups_are_the_block_children_and_every_group_but_the_last_moves(loopback):
+    model, x = big_blocks(3)
+    plain = copy.deepcopy(model)
     before = module_state(model)
-    handle, engine = wire_offload(model, {"version": 1, "cpu_checkpointing": True, "pin_budget": "1GiB"})
-    assert engine.kwargs == {"pin": True, "pin_budget": 2**30, "device": None}
-    assert engine.skipped == [model]
-    assert handle.offload["groups"] == ["blocks.0", "blocks.1", "blocks.2"]
-    assert handle.offload["grouping"] == "children of `blocks`"
-    model(x).sum().backward()
-    assert engine.events == ["enter", "mark", "mark", "mark", "exit"]
-    engine.events.clear()
+    handle = apply_offload(model, {"version": 1, "cpu_checkpointing": True, "pin_budget": "1GiB"})
+    assert handle.offload.groups == ("blocks.0", "blocks.1", "blocks.2")
+    assert handle.offload.grouping == "children of `blocks`"
+    assert handle.offload.pin is False  # nothing is pinned on the host loopback
+    want, got = step(plain, x), step(model, x)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    stats = handle.engine.stats
+    assert stats.steps == 1 and stats.groups == 4  # one open before the first mark
+    assert stats.offloaded_bytes > 0 and stats.reloaded_bytes == stats.offloaded_bytes
+    assert stats.kept_bytes > 0  # the last block's activations never left
+    assert handle.report()["effect"]["offload"]["offloaded_bytes"] == stats.offloaded_bytes
+    handle.remove()
+    assert module_state(model) == before
+
+
+def test_eval_and_no_grad_forwards_are_not_offloaded(loopback):
+    model, x = big_blocks(3)
+    handle = apply_offload(model, {"version": 1, "cpu_checkpointing": True})
     with torch.no_grad():
         model(x)
     model.eval()
     model(x)
-    assert engine.events == []  # eval and no_grad forwards are not offloaded
-    handle.remove()
-    assert engine.events == ["close"]
-    assert module_state(model) == before
+    assert handle.engine.stats.steps == 0
 
 
-def test_offload_step_is_closed_when_forward_raises():
+def test_checkpoint_inputs_are_what_moves_with_checkpointing(loopback):
+    model, x = big_blocks(4)
+    plain = copy.deepcopy(model)
+    cfg = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]}, "cpu_checkpointing": True}
+    handle = apply_offload(model, cfg)
+    assert handle.offload.groups == ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
+    want, got = step(plain, x), step(model, x)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    # Blocks 0 to 2 each keep one input of x's size; block 3's is the last group, kept on the device.
+    stats = handle.engine.stats
+    assert (stats.offloaded_bytes, stats.kept_bytes) == (3 * x.numel() * 4, x.numel() * 4)
+    assert handle.counters.recomputes == 4
+
+
+def test_every_2_offloads_what_the_unchecked_blocks_save_with_the_group_before(loopback):
+    model, x = big_blocks(4)
+    cfg = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"], "every": 2},
+           "cpu_checkpointing": True}
+    handle = apply_offload(model, cfg)
+    assert handle.offload.groups == ("blocks.1", "blocks.3")
+    assert handle.offload.grouping == (
+        "the checkpointed modules (one in every 2 matches; what the modules between them save is "
+        "offloaded with the group before it)")
+    step(model, x)
+    assert handle.engine.stats.groups == 3 and handle.engine.stats.offloaded_bytes > 0
+
+
+def test_offload_step_is_closed_when_forward_raises(loopback):
     torch.manual_seed(0)
     model = nn.Sequential(Flaky(), Flaky(), Flaky())
-    handle, engine = wire_offload(model, {"version": 1, "cpu_checkpointing": True})
-    assert handle.offload["grouping"] == "children of the model"
+    handle = apply_offload(model, {"version": 1, "cpu_checkpointing": True})
+    handle.engine.min_offload_bytes = 0
+    assert handle.offload.grouping == "children of the model"
     model[1].fail = True
     with pytest.raises(RuntimeError, match="^boom$"):
         model(torch.randn(2, 16))
-    assert engine.events == ["enter", "mark", "mark", "exit"]
+    assert handle.engine._step is None  # the scope closed with the exception
+    model[1].fail = False
+    step(model, torch.randn(2, 16))
+    assert handle.engine.stats.steps == 2
 
 
-def test_offload_groups_are_the_checkpointed_modules_and_enclose_checkpoint_hooks():
-    model, x = small_blocks(4)
-    cfg = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"], "every": 2},
-           "cpu_checkpointing": True}
-    from actcfg.checker import load
-    from actcfg.runtime import _apply_offload, _composable_checkpoint
-    from actcfg.translate import to_torch_native
+def test_keyboard_interrupt_closes_the_offload_scope_and_leaves_no_hooks_on(loopback):
+    """The scope is a `with` around the root's forward: a KeyboardInterrupt leaves it, and
+    tensors saved outside the model afterwards are not packed."""
 
-    policy = load(cfg)
-    plan = to_torch_native(policy)
-    handle = AppliedPolicy(model, policy, policy.backend)
-    selected = select_modules(model, plan.checkpoint.modules, plan.checkpoint.every)
-    for _, m in selected:
-        _composable_checkpoint(handle, m, True)
-    _apply_offload(model, plan.offload, selected, handle, engine_type=RecordingEngine)
-    assert handle.offload["groups"] == ["blocks.1", "blocks.3"]
-    assert handle.offload["grouping"] == (
-        "the checkpointed modules (one in every 2 matches; what the modules between them save is "
-        "offloaded with the group before it)")
-    # The boundary is marked before the composable checkpoint's pre-hook saves the inputs.
-    block = model.blocks[1]
-    first = next(iter(block._forward_pre_hooks.values()))
-    assert getattr(first, "__func__", None) is not None and first.__func__.__name__ == "mark"
-    model(x).sum().backward()
-    assert handle.engine.events == ["enter", "mark", "mark", "exit"]
-    handle.remove()
-
-
-def test_every_larger_than_the_matches_is_refused_not_a_silent_no_op():
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
-    with pytest.raises(PolicyApplyError, match=r"^checkpoint\.every: 4, but only 3 module\(s\) match 'Linear': "
-                       r"every n-th match is checkpointed, so none would be; set `every` to at most 3$"):
-        apply(model, {"version": 1, "checkpoint": {"mode": "full", "modules": ["Linear"], "every": 4}})
-    assert not any("_actcfg" in k for m in model.modules() for k in m.__dict__)  # nothing left behind
-
-
-def test_offload_scope_left_open_by_keyboard_interrupt_is_closed_by_the_next_forward():
     class Interrupting(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -640,14 +646,20 @@ def test_offload_scope_left_open_by_keyboard_interrupt_is_closed_by_the_next_for
             return self.lin(x)
 
     model = nn.Sequential(Interrupting(), Interrupting())
-    handle, engine = wire_offload(model, {"version": 1, "cpu_checkpointing": True})
+    handle = apply_offload(model, {"version": 1, "cpu_checkpointing": True})
     model[1].interrupt = True
     with pytest.raises(KeyboardInterrupt):
         model(torch.randn(2, 16))
-    # torch skips always_call hooks for BaseException: the scope is still open here...
-    assert engine.events == ["enter", "mark", "mark"]
-    model[1].interrupt = False
-    model(torch.randn(2, 16)).sum().backward()
-    # ...and the next forward of the model closes it before opening its own.
-    assert engine.events == ["enter", "mark", "mark", "exit", "enter", "mark", "mark", "exit"]
-    handle.remove()
+    assert handle.engine._step is None
+    packed = handle.engine.stats.packed_tensors
+    w = torch.randn(16, 16, requires_grad=True)
+    (torch.randn(2, 16) @ w).sum().backward()  # outside the model: no hook may see it
+    assert handle.engine.stats.packed_tensors == packed
+
+
+def test_every_larger_than_the_matches_is_refused_not_a_silent_no_op():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises(PolicyApplyError, match=r"^checkpoint\.every: 4, but only 3 module\(s\) match 'Linear': "
+                       r"every n-th match is checkpointed, so none would be; set `every` to at most 3$"):
+        apply(model, {"version": 1, "checkpoint": {"mode": "full", "modules": ["Linear"], "every": 4}})
+    assert not any("_actcfg" in k for m in model.modules() for k in m.__dict__)  # nothing left behind

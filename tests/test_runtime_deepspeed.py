@@ -21,7 +21,7 @@ try:
 except ImportError:  # pytest's rootdir-relative import mode
     from _deepspeed_env import ds_env, ds_globals
 
-from actcfg import _deepspeed_route
+from actcfg import _apply_deepspeed as _deepspeed_route
 from actcfg.errors import PolicyApplyError
 from actcfg.probes import blocks, linear_chain
 from actcfg.runtime import apply, mpu_from_group
@@ -70,8 +70,8 @@ def test_configures_every_kwarg_and_reads_the_state_back(ckpt):
     want = {**DEFAULTS, "synchronize": True, "profile": True}
     assert ds_globals(ckpt) == want
     assert ckpt.is_configured()
-    assert handle.deepspeed["configure_kwargs"] == want
-    assert handle.deepspeed["state"] == {**want, "is_configured": True, "mp_size": 1}
+    assert handle.deepspeed.configure_kwargs == want
+    assert handle.deepspeed.state == {**want, "is_configured": True, "mp_size": 1}
     assert handle.checkpointed == ("blocks.0", "blocks.1", "blocks.2")
     assert handle.checkpoint_api == "deepspeed.checkpointing.checkpoint"
     assert handle.summary() == (
@@ -235,7 +235,7 @@ def test_mpu_from_group_answers_what_deepspeed_asks(ckpt):
     model, _ = small_blocks()
     with apply(model, ds_policy(), mpu=dist.group.WORLD) as handle:  # a group works directly
         assert ckpt.mpu is not None and ckpt.mp_size == 1
-        assert handle.deepspeed["state"]["mp_size"] == 1
+        assert handle.deepspeed.mp_size == 1
     assert ckpt.mpu is None
 
 

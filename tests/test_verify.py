@@ -25,7 +25,7 @@ from actcfg.verify import (
     load_factory,
     verify,
 )
-from actcfg.verify_report import REPORTER_BY_NAME, plot_memory, render_json, render_text
+from actcfg.verify.render import REPORTER_BY_NAME, plot_memory, render_json, render_text
 
 ROOT = Path(__file__).resolve().parent.parent
 B = 262_144_000  # one block input of the seed chain: 256 x 256 x 2000 fp16
@@ -373,7 +373,7 @@ def test_load_factory_refusals(spec, message):
 
 def test_the_factory_contract():
     torch = pytest.importorskip("torch")
-    from actcfg.verify import _build, _split_inputs
+    from actcfg.verify.factory import build as _build, split_inputs as _split_inputs
 
     x = torch.ones(2, 3)
 
@@ -402,25 +402,32 @@ def test_the_factory_contract():
         _split_inputs(3)
 
 
-def _handle(torch, model, **attrs):
-    """The runtime's own handle, with the attributes `apply` would have set."""
+def _handle(torch, model, *, checkpointed=(), groups=None, engine=None, mp_size=None):
+    """The runtime's own handle, with the reports `apply` would have recorded."""
+    from actcfg.reports import CheckpointReport, DeepSpeedReport, OffloadReport
     from actcfg.runtime import AppliedPolicy
     from actcfg.schema import Backend
 
     handle = AppliedPolicy(model, OFFLOAD, Backend.TORCH)
-    for name, value in attrs.items():
-        setattr(handle, name, value)
+    if checkpointed:
+        handle.set_checkpoint(CheckpointReport("full", "torch.utils.checkpoint.checkpoint",
+                                               tuple(checkpointed), 1, False, None))
+    if groups is not None:
+        handle.set_offload(OffloadReport("actcfg.offload.OffloadEngine", "all_saved", True, None,
+                                         1, "cuda:0", tuple(groups), "top-level children of the model"))
+    if mp_size is not None:
+        handle.set_deepspeed(DeepSpeedReport({}, {}, mp_size, None, ""))
+    handle.engine = engine
     return handle
 
 
 def test_blocks_are_checkpointed_modules_else_offload_groups_else_top_level_children():
     torch = pytest.importorskip("torch")
-    from actcfg.verify import _blocks
+    from actcfg.verify.measure import _blocks
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
-    groups = {"groups": ["1"], "grouping": "top-level children of the model"}
-    assert _blocks(_handle(torch, model, checkpointed=("0",), offload=groups), model) == ("0",)
-    assert _blocks(_handle(torch, model, offload=groups), model) == ("1",)
+    assert _blocks(_handle(torch, model, checkpointed=("0",), groups=("1",)), model) == ("0",)
+    assert _blocks(_handle(torch, model, groups=("1",)), model) == ("1",)
     assert _blocks(_handle(torch, model), model) == ("0", "1")
 
 
@@ -429,13 +436,12 @@ def test_host_bytes_are_the_engines_account_read_from_handle_engine():
     from types import SimpleNamespace
 
     from actcfg.offload import OffloadStats
-    from actcfg.verify import _host_bytes
+    from actcfg.verify.measure import _host_bytes
 
     model = torch.nn.Linear(2, 2)
     engine = SimpleNamespace(stats=OffloadStats(pinned_bytes=3, pageable_bytes=4))
-    offload = {"groups": ["0"], "grouping": "the checkpointed modules"}
-    assert _host_bytes(_handle(torch, model, engine=engine, offload=offload), None) == (3, 4)
-    assert _host_bytes(_handle(torch, model, offload=offload), None) == (None, None)
+    assert _host_bytes(_handle(torch, model, engine=engine, groups=("0",)), None) == (3, 4)
+    assert _host_bytes(_handle(torch, model, groups=("0",)), None) == (None, None)
 
 
 def test_a_handle_without_the_runtimes_attributes_is_not_guessed_at():
@@ -445,7 +451,7 @@ def test_a_handle_without_the_runtimes_attributes_is_not_guessed_at():
     from types import SimpleNamespace
 
     from actcfg.offload import OffloadStats
-    from actcfg.verify import _blocks, _host_bytes
+    from actcfg.verify.measure import _blocks, _host_bytes
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
     with pytest.raises(AttributeError, match=r"'checkpointed'"):
@@ -471,31 +477,28 @@ def two_rank_group():
         dist.destroy_process_group()
 
 
-def test_mp_size_of_a_process_group_is_its_size(two_rank_group):
-    # apply() takes a ProcessGroup as mpu=; verify counted it as size 1 and failed `partition`.
-    torch = pytest.importorskip("torch")
-    from actcfg.verify import _mp_size
+def test_a_process_group_counts_with_its_size(two_rank_group):
+    # apply() takes a ProcessGroup as mpu=; verify once counted it as size 1 and failed `partition`.
+    from actcfg._apply_deepspeed import as_mpu, model_parallel_size
 
-    model = torch.nn.Linear(2, 2)
-    assert _mp_size(_handle(torch, model), two_rank_group) == 2
-    assert _mp_size(_handle(torch, model), None) == 1
+    assert model_parallel_size(as_mpu(two_rank_group)) == 2
+    assert model_parallel_size(as_mpu(None)) == 1
 
 
 def test_mp_size_is_what_deepspeed_read_back_after_configure():
     torch = pytest.importorskip("torch")
-    from actcfg.verify import _mp_size
+    from actcfg.verify.measure import _mp_size
 
-    handle = _handle(torch, torch.nn.Linear(2, 2), deepspeed={"state": {"mp_size": 4}})
-    assert _mp_size(handle, object()) == 4
+    assert _mp_size(_handle(torch, torch.nn.Linear(2, 2), mp_size=4)) == 4
+    assert _mp_size(_handle(torch, torch.nn.Linear(2, 2))) == 1
 
 
-def test_mp_size_refuses_an_mpu_deepspeed_cannot_read():
-    torch = pytest.importorskip("torch")
+def test_an_mpu_deepspeed_cannot_read_is_refused():
+    from actcfg._apply_deepspeed import model_parallel_size
     from actcfg.errors import PolicyApplyError
-    from actcfg.verify import _mp_size
 
     with pytest.raises(PolicyApplyError, match=r"^mpu='object' has neither get_tensor_model_par"):
-        _mp_size(_handle(torch, torch.nn.Linear(2, 2)), object())
+        model_parallel_size(object())
 
 
 # --- RNG: both runs draw the same dropout masks; the caller's state is put back ----------------
@@ -503,7 +506,7 @@ def test_mp_size_refuses_an_mpu_deepspeed_cannot_read():
 
 def _dropout_steps(torch, steps: int) -> list:
     """What a train-mode Dropout draws in each step of one run, seeded as _measure seeds it."""
-    from actcfg.verify import _seed_step
+    from actcfg.verify.measure import _seed_step
 
     drop = torch.nn.Dropout(0.5).train()
     masks = []
@@ -526,7 +529,7 @@ def test_the_plain_and_policy_runs_draw_the_same_dropout_masks_step_by_step():
 
 def test_the_seeded_runs_put_the_callers_rng_state_back():
     torch = pytest.importorskip("torch")
-    from actcfg.verify import _caller_rng_kept, _seed_step
+    from actcfg.verify.measure import _caller_rng_kept, _seed_step
 
     torch.manual_seed(99)
     before = torch.get_rng_state()
@@ -552,7 +555,7 @@ def _pair(torch):
 
 def test_grad_diffs_are_max_abs_error_over_max_abs_plain():
     torch = pytest.importorskip("torch")
-    from actcfg.verify import _grad_diffs
+    from actcfg.verify.measure import _grad_diffs
 
     a, b = _pair(torch)
     b[0].weight.grad[0, 0] += 8.0  # plain max |g| of 0.weight is 16
@@ -567,7 +570,7 @@ def test_grad_diffs_are_max_abs_error_over_max_abs_plain():
 
 def test_equal_gradients_have_zero_error():
     torch = pytest.importorskip("torch")
-    from actcfg.verify import _grad_diffs
+    from actcfg.verify.measure import _grad_diffs
 
     a, b = _pair(torch)
     assert [g.error for g in _grad_diffs(a, b)] == [0.0, 0.0, 0.0]
@@ -575,7 +578,7 @@ def test_equal_gradients_have_zero_error():
 
 def test_dtype_is_the_loosest_of_parameters_and_inputs():
     torch = pytest.importorskip("torch")
-    from actcfg.verify import _loosest_dtype
+    from actcfg.verify.measure import _loosest_dtype
 
     model = torch.nn.Linear(2, 2)
     assert _loosest_dtype(model, ((torch.ones(2),), {})) == "float32"
@@ -585,7 +588,7 @@ def test_dtype_is_the_loosest_of_parameters_and_inputs():
 
 def test_default_loss_is_nonlinear_in_the_output():
     torch = pytest.importorskip("torch")
-    from actcfg.verify import default_loss
+    from actcfg.verify.measure import default_loss
 
     out = torch.tensor([1.0, -2.0], dtype=torch.float16)
     loss = default_loss((out, "aux"))
@@ -617,7 +620,7 @@ def test_verify_refuses_an_unknown_backend_with_the_choices():
 
 
 def test_judging_and_rendering_import_no_torch():
-    code = ("import sys, actcfg.verify, actcfg.verify_report; "
+    code = ("import sys, actcfg.verify, actcfg.verify.render, actcfg.verify.judge, actcfg.verify.report; "
             "print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout == "False\n"
@@ -740,13 +743,30 @@ def test_cli_plot_write_error_does_not_hide_a_failed_verify(run_cli, measured_as
 ])
 def test_cli_starts_a_process_group_only_for_the_deepspeed_backend(
         run_cli, measured_as, monkeypatch, argv, started):
-    import actcfg.verify as module
+    """The CLI scopes the measurement in `_process_group(backend)`, which starts a one-process
+    group for the deepspeed backend only (here it records instead of starting NCCL)."""
+    import contextlib
+
+    import actcfg.cli as cli
 
     measured_as(report())
-    starts: list[None] = []
-    monkeypatch.setattr(module, "ensure_deepspeed_process_group", lambda: starts.append(None))
+    backends: list[str] = []
+
+    @contextlib.contextmanager
+    def recorded(backend):
+        backends.append(backend)
+        yield
+
+    real = cli._process_group
+    monkeypatch.setattr(cli, "_process_group", recorded)
     done = run_cli("verify", *argv)
-    assert (done.code, len(starts)) == (0, int(started))
+    assert done.code == 0
+    assert backends == ["deepspeed" if started else "torch"]
+    import torch.distributed as dist
+
+    before = dist.is_initialized()
+    with real(cli.Backend.TORCH):  # the torch backend starts nothing
+        assert dist.is_initialized() == before
 
 
 def test_cli_without_a_gpu_exits_2_with_the_reason():

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from actcfg.verify import Verdict, VerifyReport, verify  # noqa: E402
-from actcfg.verify_report import render_text  # noqa: E402
+from actcfg.verify.render import render_text  # noqa: E402
 
 try:
     from tests._deepspeed_env import ds_env  # noqa: F401 (a fixture)

@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable
 
 from actcfg.errors import VerifyError
-from actcfg.verify import VerifyReport, worst_grad, tolerance
+from actcfg.verify.report import VerifyReport, tolerance, worst_grad
 
 __all__ = ["REPORTER_BY_NAME", "plot_memory", "render_json", "render_text", "require_plotting"]
 

@@ -2,7 +2,10 @@
 state, and route the selected modules through `deepspeed.checkpointing.checkpoint`.
 
 DeepSpeed keeps these settings in module globals (one policy per process), so the state before
-`configure` is saved and put back by `remove()` when the last live DeepSpeed policy goes.
+`configure` is saved and put back by `remove()` when the last live DeepSpeed policy goes. The
+routed call passes every tensor argument positionally (DeepSpeed's checkpoint, like torch's
+reentrant one, gives no gradient to a tensor inside a container or a keyword), and rebuilds
+the module's output structure (it would turn a dict into a tuple of its keys).
 """
 
 from __future__ import annotations
@@ -12,11 +15,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from actcfg._wrap import grad_path, inner_forward, override_forward, select_modules
+from actcfg._wrap import (
+    call_with_flat_tensors,
+    class_name,
+    override_forward,
+    prepare_hf_model,
+    refuse_stacked_checkpointing,
+    select_modules,
+)
 from actcfg.errors import PolicyApplyError, TranslationError
+from actcfg.reports import CheckpointCounters, CheckpointReport, DeepSpeedReport
 from actcfg.schema import Policy
 
-__all__ = ["apply", "fresh_alias", "model_parallel_size", "mpu_from_group", "read_back"]
+__all__ = ["apply_deepspeed", "as_mpu", "fresh_alias", "model_parallel_size", "mpu_from_group", "read_back"]
 
 # configure() kwarg -> the global of deepspeed/runtime/activation_checkpointing/checkpointing.py
 # it sets (ckpt.py:1202-1226).
@@ -61,15 +72,28 @@ def model_parallel_size(mpu: Any) -> int:
     )
 
 
-def _as_mpu(mpu: Any) -> Any:
+def as_mpu(mpu: Any) -> Any:
+    """What DeepSpeed reads the model-parallel group from: a process group or a one-dimensional
+    DeviceMesh becomes an mpu (`mpu_from_group`); DeepSpeed's own mpu objects pass as they are."""
     import torch.distributed as dist
 
-    if mpu is not None and dist.is_available() and isinstance(mpu, dist.ProcessGroup):
+    if mpu is None or not dist.is_available():
+        return mpu
+    if isinstance(mpu, dist.ProcessGroup):
         return mpu_from_group(mpu)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(mpu, DeviceMesh):
+        if mpu.ndim != 1:
+            names = ", ".join(repr(n) for n in (mpu.mesh_dim_names or ()))
+            raise PolicyApplyError(
+                f"mpu= is a {mpu.ndim}-dimensional DeviceMesh: pass its model-parallel dimension, "
+                f"such as mpu=mesh['tp']" + (f" (dimensions: {names})" if names else ""))
+        return mpu_from_group(mpu.get_group())
     return mpu
 
 
-def apply(model: nn.Module, policy: Policy, handle: Any, mpu: Any) -> None:
+def apply_deepspeed(model: nn.Module, policy: Policy, handle: Any, mpu: Any) -> None:
     """Configure DeepSpeed for `policy`, verify its state and route the selected modules."""
     from actcfg.translate import to_deepspeed
 
@@ -80,7 +104,7 @@ def apply(model: nn.Module, policy: Policy, handle: Any, mpu: Any) -> None:
         raise PolicyApplyError(str(e)) from e
     kwargs = dict(section["configure_kwargs"])
     route = section["route"]
-    mpu = _as_mpu(mpu)
+    mpu = as_mpu(mpu)
     mp_size = model_parallel_size(mpu)
     if kwargs["partition_activations"] and mp_size <= 1:
         raise PolicyApplyError(
@@ -103,7 +127,22 @@ def apply(model: nn.Module, policy: Policy, handle: Any, mpu: Any) -> None:
             )
     # checkpoint.mode none: nothing is routed, but DeepSpeed is still configured explicitly
     # (to its defaults), so its state is known rather than whatever an earlier caller left.
-    selected = [] if route is None else select_modules(model, tuple(route["modules"]), route["every"])
+    # mode external: the model calls deepspeed.checkpointing.checkpoint itself.
+    routes = route is not None and "modules" in route
+    if routes:
+        refuse_stacked_checkpointing(model)
+    selected = select_modules(model, tuple(route["modules"]), route["every"]) if routes else []
+    notes: list[str] = []
+    if kwargs["contiguous_checkpointing"] and kwargs["num_checkpoints"] is None:
+        if not routes:
+            raise PolicyApplyError(
+                "contiguous: true needs num_checkpoints here: the model calls "
+                "deepspeed.checkpointing.checkpoint itself (checkpoint.mode external), so actcfg "
+                "cannot count its checkpointed calls per step; set `num_checkpoints` to that count")
+        # DeepSpeed sizes one contiguous buffer per checkpointed call between backwards:
+        # exactly the modules routed here.
+        kwargs["num_checkpoints"] = len(selected)
+        notes.append(f"num_checkpoints set to {len(selected)}, the number of routed modules")
     if kwargs["contiguous_checkpointing"] and kwargs["num_checkpoints"] < len(selected):
         raise PolicyApplyError(
             f"num_checkpoints: {kwargs['num_checkpoints']} is fewer than the {len(selected)} "
@@ -126,10 +165,12 @@ def apply(model: nn.Module, policy: Policy, handle: Any, mpu: Any) -> None:
                 "configuration per process: remove() the other policy first"
             )
 
+    if route is not None:
+        prepare_hf_model(model, handle.undo)
     saved = {name: getattr(ckpt, name) for name in _STATE}
     entry = (kwargs, mpu, saved)
     _LIVE.append(entry)
-    handle._undo.append(lambda: _restore(entry))  # also undoes a configure() that failed half-way
+    handle.undo.push(lambda: _restore(entry))  # also undoes a configure() that failed half-way
     try:
         ckpt.configure(mpu, **kwargs)
     except (AssertionError, TypeError, ValueError, AttributeError) as e:
@@ -147,17 +188,19 @@ def apply(model: nn.Module, policy: Policy, handle: Any, mpu: Any) -> None:
                                    for k, (w, h) in differ.items())
         )
 
-    forward = _DeepSpeedForward()
-    for name, module in selected:
-        override_forward(handle, name, module, forward, "routed through deepspeed.checkpointing.checkpoint")
-    handle.checkpointed = tuple(n for n, _ in selected)
-    handle.checkpoint_api = "deepspeed.checkpointing.checkpoint"
-    handle.deepspeed = {
-        "configure_kwargs": kwargs,
-        "state": {**state, "is_configured": ckpt.is_configured(), "mp_size": ckpt.mp_size},
-        "mpu": None if mpu is None else repr(mpu),
-        "input_guard": "checkpointed modules receive fresh aliases of their tensor inputs",
-    }
+    forward = _DeepSpeedForward(handle.counters, mp_size if kwargs["partition_activations"] else 1)
+    for _, module in selected:
+        override_forward(handle.undo, module, forward, "routed through deepspeed.checkpointing.checkpoint")
+    if route is not None:
+        handle.set_checkpoint(CheckpointReport.of(
+            policy, route["function"], tuple(n for n, _ in selected), {}, tuple(notes)))
+    handle.set_deepspeed(DeepSpeedReport(
+        configure_kwargs=kwargs,
+        state={**state, "is_configured": ckpt.is_configured(), "mp_size": ckpt.mp_size},
+        mp_size=int(ckpt.mp_size),
+        mpu=None if mpu is None else repr(mpu),
+        input_guard="checkpointed modules receive fresh aliases of their tensor inputs",
+    ))
 
 
 def read_back(ckpt: Any) -> dict[str, Any]:
@@ -216,25 +259,59 @@ class _DeepSpeedForward:
     after it returns (`arg.data = torch.empty([])`, ckpt.py:456/491/545), so a caller computing
     `x + block(x)` would silently add garbage (BACKENDS.md 1.4). Every tensor argument is passed
     as a fresh alias, so only the alias is emptied and the caller's tensor keeps its values.
-    Bound with `types.MethodType`: `copy.deepcopy` rebinds it to the copy.
     """
 
-    def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        fn = inner_forward(module)
+    def __init__(self, counters: CheckpointCounters, partition_size: int) -> None:
+        self.counters = counters
+        self.partition_size = partition_size
+
+    def __call__(self, module: nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             # No graph, nothing to recompute: DeepSpeed would only copy (and, with contiguous
             # buffers, fill buffers that no backward ever frees).
             return fn(*args, **kwargs)
         ckpt = _deepspeed()
-        args = grad_path(module, tuple(fresh_alias(a) for a in args))
-        kwargs = {k: fresh_alias(v) for k, v in kwargs.items()}
+        args, kwargs = _fresh_aliases(args), _fresh_aliases(kwargs)
+        if self.partition_size > 1:
+            _refuse_indivisible(module, (args, kwargs), self.partition_size)
+        counters = self.counters
+        counters.calls += 1
+
+        def counted(*a: Any, **k: Any) -> Any:
+            counters.runs += 1
+            return fn(*a, **k)
+
+        trains = any(p.requires_grad for p in module.parameters())
         try:
-            return ckpt.checkpoint(fn, *args, **kwargs)
+            return call_with_flat_tensors(ckpt.checkpoint, counted, args, kwargs,
+                                          needs_grad_input=trains, flat_outputs=True)
         except BaseException:
             # A failed forward leaves contiguous-buffer offsets and offload ids behind;
             # reset() clears them so the next step starts clean.
             ckpt.reset()
             raise
+
+
+def _fresh_aliases(value: Any) -> Any:
+    from torch.utils._pytree import tree_map
+
+    return tree_map(fresh_alias, value)
+
+
+def _refuse_indivisible(module: nn.Module, inputs: Any, size: int) -> None:
+    """DeepSpeed asserts ("Doesn't handle if partition activation if item is not divisible by mp
+    size") on a floating tensor whose element count the model-parallel size does not divide."""
+    from torch.utils._pytree import tree_leaves
+
+    for t in tree_leaves(inputs):
+        if (isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() >= size
+                and t.numel() % size):
+            raise PolicyApplyError(
+                f"partition: a checkpointed {class_name(module)} was called with a tensor of shape "
+                f"{list(t.shape)} ({t.numel()} elements), which does not split across the "
+                f"model-parallel group of {size}: DeepSpeed partitions each checkpointed input "
+                f"evenly; make its size a multiple of {size} (batch, sequence or hidden size), "
+                "or set `partition: false`")
 
 
 def mpu_from_group(group: Any) -> Any:

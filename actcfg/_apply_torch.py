@@ -1,0 +1,240 @@
+"""The torch backend of `apply`: execute the `WrapPlan` that `actcfg translate --backend torch` prints.
+
+Each selected module's forward runs through the plan's `api` (torch.utils.checkpoint.checkpoint)
+with the plan's keyword arguments; with an offload plan, the root's forward runs inside the
+offload engine's step (a `with` around it, as torch's OffloadWrapper scopes save_on_cpu) and each
+group boundary is marked as its module is entered. Every tensor argument reaches the checkpoint
+function positionally, so keyword and nested inputs are saved (and offloaded) like the others.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from actcfg._wrap import (
+    NotPicklable,
+    call_with_flat_tensors,
+    label,
+    override_forward,
+    prepare_hf_model,
+    refuse_stacked_checkpointing,
+    select_modules,
+)
+from actcfg.errors import PolicyApplyError, TranslationError
+from actcfg.offload import OffloadEngine, loopback_enabled
+from actcfg.reports import CheckpointCounters, CheckpointReport, OffloadReport
+from actcfg.schema import Policy
+from actcfg.translate import CheckpointPlan, OffloadPlan, to_torch_native
+
+__all__ = ["apply_torch", "block_groups", "resolve_ops"]
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+
+def apply_torch(model: nn.Module, policy: Policy, handle: Any, mpu: Any) -> None:
+    """Put `policy` into effect on `model` with torch's checkpoint and actcfg's offload engine."""
+    if mpu is not None:
+        raise PolicyApplyError("mpu= is for the deepspeed backend; the torch backend "
+                               "takes no model-parallel unit (remove mpu=)")
+    try:
+        plan = to_torch_native(policy)
+    except TranslationError as e:
+        raise PolicyApplyError(str(e)) from e
+    device = _offload_device(model) if plan.offload is not None else None
+    if isinstance(plan.checkpoint, CheckpointPlan):
+        refuse_stacked_checkpointing(model)
+    if plan.checkpoint is not None or plan.offload is not None:
+        prepare_hf_model(model, handle.undo)
+    selected: list[tuple[str, nn.Module]] = []
+    if isinstance(plan.checkpoint, CheckpointPlan):
+        ck = plan.checkpoint
+        selected = select_modules(model, ck.modules, ck.every)
+        ops = resolve_ops(ck.selective_save_ops) if ck.selective_save_ops is not None else None
+        impl = _Checkpointed(ck, ops, handle.counters)
+        for name, module in selected:
+            override_forward(handle.undo, module, impl, f"checkpointed ({policy.checkpoint.mode})")
+        handle.set_checkpoint(CheckpointReport.of(policy, ck.api, tuple(n for n, _ in selected),
+                                                  ck.kwargs()))
+    elif plan.checkpoint is not None:
+        handle.set_checkpoint(CheckpointReport.of(policy, None, (), {}))
+    if plan.offload is not None:
+        _apply_offload(model, plan.offload, selected, handle, device)
+
+
+def _offload_device(model: nn.Module) -> torch.device:
+    tensors = [*model.parameters(), *model.buffers()]
+    device = tensors[0].device if tensors else (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+        else torch.device("cpu"))
+    if device.type == "cuda" or (device.type == "cpu" and loopback_enabled()):
+        return device
+    if not torch.cuda.is_available():
+        raise PolicyApplyError(
+            "cpu_checkpointing: true needs a CUDA GPU (activations are offloaded from GPU memory "
+            "to the host), and torch sees none here; set `cpu_checkpointing: false` to run on the CPU"
+        )
+    raise PolicyApplyError(
+        f"cpu_checkpointing: true offloads GPU memory to the host, but the model is on {device}; "
+        "move the model to the GPU before actcfg.apply, or set `cpu_checkpointing: false`"
+    )
+
+
+def resolve_ops(names: tuple[str, ...]) -> list[Any]:
+    """`aten.mm` -> every overload of `torch.ops.aten.mm`; `aten.mm.default` -> that overload."""
+    out: list[Any] = []
+    for name in names:
+        ns, _, rest = name.partition(".")
+        op_name, _, overload = rest.partition(".")
+        try:
+            packet = getattr(getattr(torch.ops, ns), op_name)
+            if overload:
+                out.append(getattr(packet, overload))
+            else:
+                out.extend(getattr(packet, o) for o in packet.overloads())
+        except (AttributeError, RuntimeError) as e:
+            raise PolicyApplyError(
+                f"checkpoint.save_ops: {name!r} is not an op torch {torch.__version__} knows; "
+                "write `namespace.op` or `namespace.op.overload`, such as `aten.mm` "
+                "(see torch.ops.aten)"
+            ) from e
+    return out
+
+
+class _Checkpointed:
+    """A module's forward run through the plan's checkpoint function with the plan's kwargs.
+
+    Counts, in eager mode, each checkpointed call and each run of the module's insides (the
+    difference is what was recomputed); under torch.compile the compiled graph recomputes and
+    nothing is counted (a counter inside a checkpointed region would break the graph).
+    """
+
+    def __init__(self, plan: CheckpointPlan, save_ops: list[Any] | None,
+                 counters: CheckpointCounters) -> None:
+        self.api = _resolve(plan.api)
+        self.kwargs = plan.kwargs()
+        if save_ops is not None:
+            from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+            self.kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, save_ops)
+        self.reentrant = plan.use_reentrant
+        self.counters = counters
+
+    def __call__(self, module: nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        counters = self.counters
+        if not torch.compiler.is_compiling():
+            counters.calls += 1
+
+            def counted(*a: Any, **k: Any) -> Any:
+                counters.runs += 1
+                return fn(*a, **k)
+        else:
+            counted = fn
+        trains = self.reentrant and any(p.requires_grad for p in module.parameters())
+        return call_with_flat_tensors(self.api, counted, args, kwargs,
+                                      needs_grad_input=trains, flat_outputs=self.reentrant,
+                                      **self.kwargs)
+
+
+def _resolve(dotted: str) -> Any:
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+# --- offload ---------------------------------------------------------------------------------
+
+
+class _OffloadScope(NotPicklable):
+    """The root's forward inside the engine's step, and a mark at each group's entry.
+
+    Shared, not copied, by `copy.deepcopy`: a copy of the model offloads through the same
+    engine (and the same pinned pool). Runs outside torch.compile's graphs: the step is a
+    context manager over saved-tensor hooks that dynamo cannot trace, and a mark traced once
+    would never run again.
+    """
+
+    def __init__(self, engine: OffloadEngine) -> None:
+        self.engine = engine
+        self.removed = False
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _OffloadScope:
+        return self
+
+    @torch.compiler.disable(recursive=False)
+    def __call__(self, module: nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if not (module.training and torch.is_grad_enabled()):
+            return fn(*args, **kwargs)
+        if self.removed:
+            raise PolicyApplyError(
+                "this model is a copy of a model whose actcfg policy was removed, and its offload "
+                "engine is closed; apply the policy to the original again, or train the copy in "
+                "torch.no_grad()/eval mode"
+            )
+        with self.engine.step():
+            return fn(*args, **kwargs)
+
+    @torch.compiler.disable
+    def mark(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        self.engine.mark_group()
+
+    def close(self) -> None:
+        self.removed = True
+        self.engine.close()
+
+
+def block_groups(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], str]:
+    """Offload group boundaries without checkpointing: the children of the outermost block
+    containers (ModuleList/Sequential), else the model's top-level children."""
+    containers: list[str] = []
+    out: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, _CONTAINERS):
+            continue
+        if any(name == c or name.startswith(c + ".") if c else True for c in containers):
+            continue
+        containers.append(name)
+        prefix = f"{name}." if name else ""
+        out.extend((prefix + n, m) for n, m in module.named_children())
+    if out:
+        where = ", ".join(f"`{c}`" if c else "the model" for c in containers)
+        return out, f"children of {where}"
+    return [(n, m) for n, m in model.named_children()], "top-level children of the model"
+
+
+def _apply_offload(model: nn.Module, plan: OffloadPlan, selected: list[tuple[str, nn.Module]],
+                   handle: Any, device: torch.device) -> None:
+    if plan.scope == "checkpoint_inputs":
+        groups, grouping = selected, "the checkpointed modules"
+        every = getattr(handle.policy.checkpoint, "every", 1)
+        if every > 1:
+            # The engine's hooks cover the whole forward: what the unchecked modules between two
+            # checkpointed ones save joins the group before it and is offloaded with it.
+            grouping += (f" (one in every {every} matches; what the modules between them save is "
+                         "offloaded with the group before it)")
+    else:
+        groups, grouping = block_groups(model)
+    for name, module in groups:
+        if isinstance(module, torch.jit.ScriptModule):
+            raise PolicyApplyError(
+                f"cpu_checkpointing: {label(name, module)} is a TorchScript module, on which actcfg "
+                "cannot mark an offload group; apply the policy before torch.jit.script")
+    engine = OffloadEngine(pin=plan.pin, pin_budget=plan.pin_budget, device=device)
+    engine.skip_tensors_of(model)
+    scope = _OffloadScope(engine)
+    handle.engine = engine
+    handle.undo.push(scope.close)
+    for _, module in groups:
+        # prepend: the boundary is marked before any other pre-hook of the block saves tensors.
+        handle.undo.push(module.register_forward_pre_hook(scope.mark, prepend=True).remove)
+    override_forward(handle.undo, model, scope, "offload scope")
+    handle.set_offload(OffloadReport(
+        engine=plan.engine, scope=plan.scope, pin=plan.pin and device.type == "cuda",
+        pin_budget=plan.pin_budget, min_offload_bytes=engine.min_offload_bytes,
+        device=str(engine.device), groups=tuple(n for n, _ in groups), grouping=grouping,
+    ))

@@ -1,0 +1,166 @@
+"""Judge measurements against a policy's promises: one verdict, in one sentence, per promise.
+
+Pure: plain numbers in, verdicts out, no torch, so the rules are tested with synthetic numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from actcfg.errors import VerifyError
+from actcfg.schema import Policy
+from actcfg.verify.report import Measurements, Verdict, human_bytes, tolerance, worst_grad
+
+__all__ = ["FLAT_FRACTION", "MIN_BLOCKS", "PARTITION_SLACK", "judge"]
+
+FLAT_FRACTION = 0.05
+"""cpu_checkpointing: memory stops growing when it grows by less than this share of one block
+input per block over the second half of the stack."""
+
+PARTITION_SLACK = 1.25
+"""partition: held checkpoint memory per block may be this many times 1/n of one block input
+(plus FLAT_FRACTION of one block input for the odd small tensor)."""
+
+MIN_BLOCKS = 4
+"""Fewest measured blocks for a growth rate over the second half of the stack."""
+
+def _growth(held: Sequence[int]) -> tuple[float, int]:
+    """Mean growth per block over the second half of the stack, and the half's first index.
+
+    The mean over the span (not a median of steps) so that a policy checkpointing every other
+    block, which grows in alternate steps, still shows its growth.
+    """
+    start = len(held) // 2
+    return (held[-1] - held[start]) / (len(held) - 1 - start), start
+
+
+def _judge_offload(m: Measurements) -> Verdict:
+    n = len(m.blocks)
+    if n < MIN_BLOCKS:
+        return Verdict("cpu_checkpointing", False,
+                       f"cpu_checkpointing cannot be checked on {n} block{'s' * (n != 1)}: "
+                       f"it takes at least {MIN_BLOCKS} to see whether GPU memory stops growing")
+    one = m.block_input_bytes
+    growth, start = _growth(m.policy.held)
+    span = f"blocks {m.blocks[start]} to {m.blocks[-1]}"
+    if m.offloaded_bytes == 0:
+        return Verdict("cpu_checkpointing", False,
+                       "cpu_checkpointing is on but actcfg's offload engine copied 0 bytes to the "
+                       "host in the last step: the offload did not take effect")
+    if growth < FLAT_FRACTION * one:
+        resident = m.policy.held[-1] / one
+        moved = ("" if m.offloaded_bytes is None
+                 else f"; {human_bytes(m.offloaded_bytes)} offloaded per step")
+        return Verdict("cpu_checkpointing", True,
+                       f"GPU memory stopped growing: {human_bytes(growth)} per block over {span} "
+                       f"(limit {human_bytes(FLAT_FRACTION * one)}, 5% of one block input); "
+                       f"{resident:.1f} block inputs stay on the GPU{moved}")
+    ratio = growth / one
+    size = ("the size of one block input" if 0.9 <= ratio <= 1.1
+            else f"{ratio:.2f}x one block input")
+    effect = ("the offload did not take effect" if ratio >= 0.9
+              else "part of each block's activations stayed on the GPU")
+    return Verdict("cpu_checkpointing", False,
+                   f"cpu_checkpointing is on but GPU memory grew by {human_bytes(growth)} per "
+                   f"block, {size}: {effect}")
+
+
+def _judge_peak(policy: Policy, m: Measurements) -> Verdict:
+    plain, ours = m.plain.peak, m.policy.peak
+    # "Below" by more than noise: 5% of one block input, as for flat memory.
+    margin = FLAT_FRACTION * m.block_input_bytes
+    if ours < plain - margin:
+        return Verdict("peak", True,
+                       f"the peak fell from {human_bytes(plain)} to {human_bytes(ours)} "
+                       f"({(plain - ours) / plain:.0%} lower)")
+    what = "checkpointing" if policy.checkpoint.mode != "none" else "cpu_checkpointing"
+    if ours < plain:
+        return Verdict("peak", False,
+                       f"{what} is on but the peak was {human_bytes(ours)}, only "
+                       f"{human_bytes(plain - ours)} below the plain run's {human_bytes(plain)} "
+                       "(less than 5% of one block input): the policy freed almost no "
+                       "activation memory")
+    return Verdict("peak", False,
+                   f"{what} is on but the peak was {human_bytes(ours)}, not below the plain "
+                   f"run's {human_bytes(plain)}: the policy freed no activation memory")
+
+
+def _judge_partition(m: Measurements) -> Verdict:
+    n = m.mp_size
+    if n <= 1:
+        return Verdict("partition", False,
+                       f"partition is on but the model-parallel size is {n}: it shards nothing, "
+                       "and DeepSpeed's partition path corrupts gradients there")
+    if len(m.blocks) < MIN_BLOCKS:
+        return Verdict("partition", False,
+                       f"partition cannot be checked on {len(m.blocks)} blocks: it takes at "
+                       f"least {MIN_BLOCKS}")
+    one = m.block_input_bytes
+    growth, _ = _growth(m.policy.held)
+    limit = PARTITION_SLACK * one / n + FLAT_FRACTION * one
+    if growth <= limit:
+        return Verdict("partition", True,
+                       f"held checkpoint memory grew by {human_bytes(growth)} per block, "
+                       f"{growth / one:.2f} of one block input (about 1/{n} or less)")
+    return Verdict("partition", False,
+                   f"partition is on with model-parallel size {n} but held checkpoint memory grew "
+                   f"by {human_bytes(growth)} per block, {growth / one:.2f} of one block input "
+                   f"instead of about 1/{n}: the activations were not partitioned")
+
+
+def _judge_gradients(m: Measurements) -> Verdict:
+    tol = tolerance(m.dtype)
+    worst = worst_grad(m.grads)
+    if worst is None:
+        return Verdict("gradients", False,
+                       "gradients cannot be compared: no parameter got a gradient in either run")
+    if worst.note is not None:
+        return Verdict("gradients", False,
+                       f"gradients differ from the plain run: {worst.name} {worst.note}")
+    if worst.error <= tol:
+        shown = "0" if worst.error == 0 else f"{worst.error:.1e} ({worst.name})"
+        return Verdict("gradients", True,
+                       f"gradients match the plain run: max relative error {shown}, within the "
+                       f"{m.dtype} tolerance {tol:.0e}")
+    return Verdict("gradients", False,
+                   f"gradients differ from the plain run: max relative error {worst.error:.2g} in "
+                   f"{worst.name}, above the {m.dtype} tolerance {tol:.0e}: a saved activation "
+                   "was lost or changed")
+
+
+def _judge_recompute(m: Measurements) -> Verdict:
+    if m.recomputes:
+        return Verdict("recompute", True,
+                       f"{m.recomputes} checkpointed module calls ran again in each backward")
+    return Verdict("recompute", False,
+                   "checkpointing is on but no checkpointed module ran again in backward: "
+                   "nothing was recomputed, so nothing was freed")
+
+
+def judge(policy: Policy, measurements: Measurements) -> list[Verdict]:
+    """One verdict per promise the policy makes, from plain numbers (imports no torch).
+
+    cpu_checkpointing: GPU memory stops growing per block; checkpointing or cpu_checkpointing:
+    the peak is below the plain run's; partition: held checkpoint memory is about 1/n of one
+    block input per block; checkpointing by actcfg, where the runtime counted it: modules ran
+    again in backward; always: gradients equal the plain run's within the dtype tolerance.
+    """
+    m = measurements
+    if not (len(m.blocks) == len(m.plain.held) == len(m.policy.held)):
+        raise VerifyError(
+            f"measurements disagree: {len(m.blocks)} blocks but {len(m.plain.held)} plain and "
+            f"{len(m.policy.held)} policy readings")
+    if m.block_input_bytes <= 0:
+        raise VerifyError("one block input has no bytes: the blocks take no tensor input, so "
+                          "memory per block cannot be judged")
+    out: list[Verdict] = []
+    if policy.cpu_checkpointing:
+        out.append(_judge_offload(m))
+    if policy.checkpoint.mode != "none" or policy.cpu_checkpointing:
+        out.append(_judge_peak(policy, m))
+    if policy.partition:
+        out.append(_judge_partition(m))
+    if m.recomputes is not None and policy.checkpoint.mode in ("full", "selective"):
+        out.append(_judge_recompute(m))
+    out.append(_judge_gradients(m))
+    return out

@@ -1,0 +1,350 @@
+"""Measure a model plain and under a policy on the GPU, and judge: `verify()`.
+
+Torch is imported inside the functions, so `import actcfg.verify` stays light. Library code:
+nothing here prints or exits, and no process group is started here (the CLI does that).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from actcfg.backends import Backend
+from actcfg.errors import VerifyError
+from actcfg.verify.factory import build, split_inputs
+from actcfg.verify.judge import judge
+from actcfg.verify.report import GradDiff, Measurements, RunMeasurement, VerifyReport
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = ["STEP_SEED", "default_loss", "require_cuda", "verify"]
+
+STEP_SEED = 1234
+"""Step k of both runs starts from seed STEP_SEED + k, so dropout draws the same masks plain and
+under the policy (the caller's RNG state is put back afterwards)."""
+
+
+def _fresh(value: Any) -> Any:
+    """A private copy of each tensor argument on the GPU, so one step cannot change the next
+    step's inputs (DeepSpeed's cpu and partition paths empty a checkpoint's input: BACKENDS 1.4)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cuda", copy=True).requires_grad_(value.requires_grad)
+    if isinstance(value, tuple):
+        return tuple(_fresh(v) for v in value)
+    if isinstance(value, list):
+        return [_fresh(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _fresh(v) for k, v in value.items()}
+    return value
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """Sum of squares of the first output tensor, in fp32.
+
+    Nonlinear on purpose: with a linear loss the gradients do not depend on the output's
+    values, and a forward that read a DeepSpeed-emptied input (BACKENDS 1.4) would pass.
+    """
+    tensors = _tensors(output)
+    if not tensors:
+        raise VerifyError("the model returned no tensor: pass loss_fn= to verify()")
+    return tensors[0].float().square().sum()
+
+
+# --- measurement (torch, CUDA) ----------------------------------------------------------------
+
+
+def _seed_step(step: int) -> None:
+    """Seed the CPU and every CUDA generator for `step`, the same in the plain and policy runs."""
+    import torch
+
+    seed = STEP_SEED + step
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+@contextlib.contextmanager
+def _caller_rng_kept() -> Iterator[None]:
+    """Put the caller's CPU and CUDA RNG states back after the seeded runs."""
+    import torch
+
+    # Every device: _seed_step seeds them all. Named explicitly, so fork_rng does not warn.
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+        yield
+
+
+def _measure(
+    model: nn.Module,
+    blocks: Sequence[str],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor],
+    steps: int,
+    input_sizes: list[int] | None = None,
+) -> RunMeasurement:
+    import torch
+
+    try:
+        modules = [model.get_submodule(name) for name in blocks]
+    except AttributeError as e:
+        raise VerifyError(f"cannot find a measured block in the model: {e}") from e
+    held: list[int | None] = [None] * len(modules)
+    state = {"recording": False, "baseline": 0}
+
+    def after(index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+            # Only the first call in forward: a recompute in backward calls the block again.
+            if state["recording"] and held[index] is None:
+                held[index] = torch.cuda.memory_allocated() - state["baseline"]
+        return hook
+
+    def before(index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, a: Any, k: Any) -> None:
+            if state["recording"] and input_sizes is not None and input_sizes[index] < 0:
+                input_sizes[index] = sum(t.numel() * t.element_size() for t in _tensors((a, k)))
+        return hook
+
+    handles = [m.register_forward_hook(after(i)) for i, m in enumerate(modules)]
+    if input_sizes is not None:
+        input_sizes[:] = [-1] * len(modules)
+        handles += [m.register_forward_pre_hook(before(i), with_kwargs=True)
+                    for i, m in enumerate(modules)]
+    times: list[float] = []
+    peak = 0
+    try:
+        for step in range(steps):
+            last = step == steps - 1
+            model.zero_grad(set_to_none=True)
+            a, k = _fresh(args), _fresh(kwargs)
+            held[:] = [None] * len(modules)
+            _seed_step(step)
+            torch.cuda.synchronize()
+            state["baseline"] = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            state["recording"] = last
+            try:
+                output = model(*a, **k)
+            finally:
+                state["recording"] = False
+            loss = loss_fn(output)
+            loss.backward()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
+            peak = torch.cuda.max_memory_allocated() - state["baseline"]
+            del output, loss, a, k
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [name for name, h in zip(blocks, held) if h is None]
+    if missing:
+        raise VerifyError(f"block {missing[0]} was never called in forward, so no memory was "
+                          "measured after it")
+    return RunMeasurement(tuple(int(h) for h in held if h is not None), int(peak),
+                          statistics.median(times))
+
+
+def _grad_diffs(plain: nn.Module, ours: nn.Module) -> tuple[GradDiff, ...]:
+    import torch
+
+    theirs = dict(ours.named_parameters())
+    out: list[GradDiff] = []
+    for name, p in plain.named_parameters():
+        q = theirs.get(name)
+        if q is None:
+            raise VerifyError(f"the policy model has no parameter {name}: apply() must keep "
+                              "parameter names unchanged")
+        if p.grad is None and q.grad is None:
+            continue
+        if q.grad is None:
+            out.append(GradDiff(name, math.inf, "got no gradient under the policy"))
+            continue
+        if p.grad is None:
+            out.append(GradDiff(name, math.inf, "got a gradient under the policy but not plain"))
+            continue
+        g, h = p.grad.detach().float(), q.grad.detach().float()
+        if not bool(torch.isfinite(h).all()):
+            out.append(GradDiff(name, math.inf, "has a non-finite gradient under the policy"))
+            continue
+        diff = float((g - h).abs().max()) if g.numel() else 0.0
+        scale = float(g.abs().max()) if g.numel() else 0.0
+        if not math.isfinite(diff):
+            out.append(GradDiff(name, math.inf, "has a non-finite gradient in the plain run"))
+        elif scale == 0.0:
+            out.append(GradDiff(name, 0.0 if diff == 0.0 else math.inf,
+                                None if diff == 0.0 else "is zero plain but not under the policy"))
+        else:
+            out.append(GradDiff(name, diff / scale))
+    return tuple(out)
+
+
+_LOOSENESS = ("float64", "float32", "float16", "bfloat16")
+
+
+def _loosest_dtype(model: nn.Module, inputs: Any) -> str:
+    found = {str(t.dtype).removeprefix("torch.")
+             for t in [*model.parameters(), *_tensors(inputs)] if t.is_floating_point()}
+    ranked = [d for d in _LOOSENESS if d in found]
+    return ranked[-1] if ranked else "float32"
+
+
+def _mp_size(handle: Any) -> int:
+    """The model-parallel size the policy ran with: DeepSpeed's `mp_size` as `apply` read it back
+    after configure(); 1 for the torch backend, which takes no model-parallel unit."""
+    return 1 if handle.deepspeed is None else int(handle.deepspeed.mp_size)
+
+
+def _pinned_pool_bytes() -> int | None:
+    """Bytes held by torch's pinned host allocator, where this torch reports them (>= 2.7)."""
+    import torch
+
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    return None if stats is None else int(stats().get("allocated_bytes.current", 0))
+
+
+def _blocks(handle: Any, model: nn.Module) -> tuple[str, ...]:
+    """What memory is measured after: the checkpointed modules, else the offload groups,
+    else the model's top-level children."""
+    if handle.checkpointed:
+        return tuple(handle.checkpointed)
+    if handle.offload is not None and handle.offload.groups:
+        return tuple(handle.offload.groups)
+    return tuple(name for name, _ in model.named_children())
+
+
+def _host_bytes(handle: Any, pool_before: int | None) -> tuple[int | None, int | None]:
+    """Host memory the policy used: the offload engine's own account, else (DeepSpeed) what
+    torch's pinned host allocator grew by; pageable memory is unknown then."""
+    if handle.engine is not None:
+        stats = handle.engine.stats
+        return int(stats.pinned_bytes), int(stats.pageable_bytes)
+    pool_after = _pinned_pool_bytes()
+    if pool_before is None or pool_after is None:
+        return None, None
+    return max(0, pool_after - pool_before), None
+
+
+def _effect(handle: Any, steps: int) -> tuple[int | None, int | None]:
+    """What the runtime counted: bytes its engine offloaded in the last step, and checkpointed
+    modules run again per backward (the counters cover every step under the policy)."""
+    engine = getattr(handle, "engine", None)
+    offloaded = None if engine is None else int(engine.stats.offloaded_bytes)
+    counters = getattr(handle, "counters", None)
+    recomputes = (counters.recomputes // steps
+                  if counters is not None and handle.checkpointed else None)
+    return offloaded, recomputes
+
+
+def require_cuda() -> None:
+    """Raise VerifyError unless torch is installed and sees a CUDA GPU."""
+    try:
+        import torch
+    except ImportError as e:
+        raise VerifyError("actcfg verify needs torch: pip install actcfg[torch]") from e
+    if not torch.cuda.is_available():
+        raise VerifyError("actcfg verify measures GPU memory and needs a CUDA GPU, but "
+                          "torch.cuda.is_available() is False here: run it on a GPU machine")
+
+
+def verify(
+    model_factory: Callable[[], Any],
+    cfg: Any,
+    *,
+    inputs: Any = None,
+    loss_fn: Callable[[Any], Any] | None = None,
+    steps: int = 3,
+    backend: Backend | str | None = None,
+    mpu: Any = None,
+    apply: Callable[..., Any] | None = None,
+) -> VerifyReport:
+    """Run the model plain and with the policy on the same weights and inputs; judge each promise.
+
+    `cfg` is anything `actcfg.load` takes. `inputs` overrides the factory's example inputs;
+    `loss_fn(output) -> scalar` defaults to the fp32 sum of squares of the first output.
+    `apply` replaces `actcfg.runtime.apply` (tests inject broken ones); what it returns must
+    have the `actcfg.runtime.AppliedPolicy` attributes verify reads: `checkpointed`, `offload`,
+    `engine`, `deepspeed`, `counters` and `remove()`. Raises VerifyError without a CUDA GPU:
+    what is measured is GPU memory. A DeepSpeed policy needs torch.distributed initialised
+    (the CLI starts a one-process group when no launcher did).
+    """
+    from actcfg.checker import load
+
+    if steps < 1:
+        raise VerifyError(f"steps must be at least 1, got {steps}")
+    chosen = Backend.parse(backend) if backend is not None else None
+    require_cuda()
+    policy = load(cfg, backends=(chosen,) if chosen is not None else ())
+    if apply is None:
+        from actcfg.runtime import apply as default_apply
+
+        apply = default_apply
+
+    plain, example = build(model_factory)
+    ours, _ = build(model_factory)
+    for model in (plain, ours):
+        if any(t.device.type != "cuda" for t in [*model.parameters(), *model.buffers()]):
+            model.cuda()
+    ours.load_state_dict(plain.state_dict())
+    args, kwargs = split_inputs(example if inputs is None else inputs)
+    loss = loss_fn or default_loss
+
+    handle = apply(ours, policy, backend=chosen, mpu=mpu)
+    try:
+        mp_size = _mp_size(handle)
+        blocks = _blocks(handle, plain)
+        if not blocks:
+            raise VerifyError("the model has no submodules to measure memory after")
+        sizes: list[int] = []
+        with _caller_rng_kept():
+            try:
+                plain_run = _measure(plain, blocks, args, kwargs, loss, steps, sizes)
+            except RuntimeError as e:
+                raise VerifyError(f"the model failed without the policy: {e}") from e
+            pool_before = _pinned_pool_bytes()
+            try:
+                policy_run = _measure(ours, blocks, args, kwargs, loss, steps)
+            except RuntimeError as e:
+                raise VerifyError(f"the model failed under the policy: {e}") from e
+        grads = _grad_diffs(plain, ours)
+        pinned, pageable = _host_bytes(handle, pool_before)
+        offloaded, recomputes = _effect(handle, steps)
+    finally:
+        handle.remove()
+    measurements = Measurements(
+        blocks=blocks,
+        block_input_bytes=int(statistics.median(sizes)),
+        plain=plain_run,
+        policy=policy_run,
+        grads=grads,
+        dtype=_loosest_dtype(plain, (args, kwargs)),
+        steps=steps,
+        mp_size=mp_size,
+        host_pinned_bytes=pinned,
+        host_pageable_bytes=pageable,
+        offloaded_bytes=offloaded,
+        recomputes=recomputes,
+    )
+    used = chosen or policy.backend
+    return VerifyReport(policy, used.value, measurements, tuple(judge(policy, measurements)))

@@ -1,0 +1,173 @@
+"""The verify report as plain data: measurements, verdicts, and their JSON form. No torch."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from actcfg.schema import Policy
+
+__all__ = [
+    "GRAD_TOLERANCE",
+    "GradDiff",
+    "Measurements",
+    "RunMeasurement",
+    "Verdict",
+    "VerifyReport",
+    "human_bytes",
+    "tolerance",
+    "worst_grad",
+]
+
+# Checkpoint recompute and offload round-trips run the same kernels on the same values, so a
+# working policy gives bit-identical gradients (BACKENDS.md 1.6: B-F, M, N). The tolerance only
+# leaves room for nondeterministic reductions (split-K matmuls, atomics in attention backward):
+# a few tens of units in the last place of each dtype (eps: fp32 1.2e-7, fp16 9.8e-4 at 1.0,
+# bf16 7.8e-3). The failures verify exists to catch are of order 1 (BACKENDS.md 7: 1.0).
+GRAD_TOLERANCE: dict[str, float] = {
+    "float64": 1e-5,
+    "float32": 1e-5,
+    "float16": 1e-2,
+    "bfloat16": 2e-2,
+}
+"""Largest max-relative gradient error that counts as equal, by the model's loosest dtype."""
+
+@dataclass(frozen=True)
+class RunMeasurement:
+    """One model's numbers, all on the last step except the median step time."""
+
+    held: tuple[int, ...]
+    """Bytes of GPU memory allocated after each block's forward, above the step's start."""
+    peak: int
+    """Peak bytes of GPU memory allocated during the step (forward and backward), above its start."""
+    step_time_s: float
+    """Median wall time of one forward+backward step, in seconds (CUDA events)."""
+
+
+@dataclass(frozen=True)
+class GradDiff:
+    """How one parameter's gradient under the policy differs from the plain run's."""
+
+    name: str
+    """Qualified parameter name."""
+    error: float
+    """max|g_policy - g_plain| / max|g_plain|; inf when not comparable (see `note`)."""
+    note: str | None = None
+    """Why the gradient is not comparable: `got no gradient under the policy`, ..."""
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """Everything `judge` needs, as plain numbers (no torch)."""
+
+    blocks: tuple[str, ...]
+    """Qualified names of the measured blocks, in forward order."""
+    block_input_bytes: int
+    """Bytes of one block input (median over blocks of the tensors each block is called with)."""
+    plain: RunMeasurement
+    """The model without the policy."""
+    policy: RunMeasurement
+    """The same model, same weights and inputs, with the policy applied."""
+    grads: tuple[GradDiff, ...]
+    """One entry per parameter that has a gradient in either run."""
+    dtype: str
+    """The loosest floating dtype of the parameters and inputs (`bfloat16`, `float32`, ...)."""
+    steps: int = 3
+    """Forward+backward steps run on each model."""
+    mp_size: int = 1
+    """Model-parallel world size of the `mpu` the policy was applied with (1 without one)."""
+    offloaded_bytes: int | None = None
+    """Bytes the offload engine copied to the host in the policy's last step (None: actcfg's
+    engine did not run, as with the deepspeed backend)."""
+    recomputes: int | None = None
+    """Checkpointed modules run again in the policy's last backward, counted by the runtime
+    (None: nothing is checkpointed by actcfg)."""
+    host_pinned_bytes: int | None = None
+    """Page-locked host memory the policy used for offloading (None: not measurable)."""
+    host_pageable_bytes: int | None = None
+    """Pageable host memory the policy used for offloading (None: not measurable)."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether one promise of the policy held, in one sentence with numbers."""
+
+    promise: str
+    """`cpu_checkpointing`, `peak`, `partition` or `gradients`."""
+    ok: bool
+    """True when the promise held."""
+    message: str
+    """One sentence with the numbers that decided it."""
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """The measurements and a verdict per promise; `ok` when every promise held."""
+
+    policy: Policy
+    backend: str
+    measurements: Measurements
+    verdicts: tuple[Verdict, ...] = field(default=())
+
+    @property
+    def ok(self) -> bool:
+        """True when every promise held."""
+        return all(v.ok for v in self.verdicts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-able data (non-finite numbers become null)."""
+        m = self.measurements
+        worst = worst_grad(m.grads)
+        return {
+            "ok": self.ok,
+            "backend": self.backend,
+            "policy": self.policy.model_dump(mode="json"),
+            "dtype": m.dtype,
+            "steps": m.steps,
+            "mp_size": m.mp_size,
+            "block_input_bytes": m.block_input_bytes,
+            "blocks": [
+                {"name": name, "plain_held_bytes": p, "policy_held_bytes": q}
+                for name, p, q in zip(m.blocks, m.plain.held, m.policy.held)
+            ],
+            "peak_bytes": {"plain": m.plain.peak, "policy": m.policy.peak},
+            "step_time_s": {"plain": m.plain.step_time_s, "policy": m.policy.step_time_s},
+            "host_bytes": {"pinned": m.host_pinned_bytes, "pageable": m.host_pageable_bytes},
+            "gradients": {
+                "max_rel_error": _finite(worst.error) if worst else 0.0,
+                "parameter": worst.name if worst else None,
+                "tolerance": tolerance(m.dtype),
+                "parameters": [
+                    {**asdict(g), "error": _finite(g.error)} for g in m.grads
+                ],
+            },
+            "verdicts": [asdict(v) for v in self.verdicts],
+        }
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def worst_grad(grads: Sequence[GradDiff]) -> GradDiff | None:
+    """The parameter with the largest error (the first of equals, in parameter order)."""
+    return max(grads, key=lambda g: g.error if not math.isnan(g.error) else math.inf, default=None)
+
+
+def tolerance(dtype: str) -> float:
+    """The gradient tolerance for `dtype`; 1e-5 for any dtype not in GRAD_TOLERANCE."""
+    return GRAD_TOLERANCE.get(dtype, 1e-5)
+
+
+def human_bytes(n: float) -> str:
+    """Decimal units for sentences: `0.26 GB`, `67.1 MB`, `12.0 kB`, `512 B`."""
+    a = abs(n)
+    if a >= 1e8:
+        return f"{n / 1e9:.2f} GB"
+    if a >= 1e5:
+        return f"{n / 1e6:.1f} MB"
+    if a >= 1e3:
+        return f"{n / 1e3:.1f} kB"
+    return f"{n:.0f} B"
