@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from actcfg._wrap import (
+    call_inner,
     call_with_flat_tensors,
     class_name,
     override_forward,
@@ -265,11 +266,11 @@ class _DeepSpeedForward:
         self.counters = counters
         self.partition_size = partition_size
 
-    def __call__(self, module: nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, module: nn.Module, previous: Any, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             # No graph, nothing to recompute: DeepSpeed would only copy (and, with contiguous
             # buffers, fill buffers that no backward ever frees).
-            return fn(*args, **kwargs)
+            return call_inner(module, previous, *args, **kwargs)
         ckpt = _deepspeed()
         args, kwargs = _fresh_aliases(args), _fresh_aliases(kwargs)
         if self.partition_size > 1:
@@ -279,7 +280,7 @@ class _DeepSpeedForward:
 
         def counted(*a: Any, **k: Any) -> Any:
             counters.runs += 1
-            return fn(*a, **k)
+            return call_inner(module, previous, *a, **k)
 
         trains = any(p.requires_grad for p in module.parameters())
         try:

@@ -18,6 +18,7 @@ from torch import nn
 
 from actcfg._wrap import (
     NotPicklable,
+    call_inner,
     call_with_flat_tensors,
     label,
     override_forward,
@@ -124,18 +125,18 @@ class _Checkpointed:
         self.reentrant = plan.use_reentrant
         self.counters = counters
 
-    def __call__(self, module: nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, module: nn.Module, previous: Any, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
-            return fn(*args, **kwargs)
+            return call_inner(module, previous, *args, **kwargs)
         counters = self.counters
         if not torch.compiler.is_compiling():
             counters.calls += 1
 
             def counted(*a: Any, **k: Any) -> Any:
                 counters.runs += 1
-                return fn(*a, **k)
+                return call_inner(module, previous, *a, **k)
         else:
-            counted = fn
+            counted = functools.partial(call_inner, module, previous)
         trains = self.reentrant and any(p.requires_grad for p in module.parameters())
         return call_with_flat_tensors(self.api, counted, args, kwargs,
                                       needs_grad_input=trains, flat_outputs=self.reentrant,
@@ -154,9 +155,9 @@ class _OffloadScope(NotPicklable):
     """The root's forward inside the engine's step, and a mark at each group's entry.
 
     Shared, not copied, by `copy.deepcopy`: a copy of the model offloads through the same
-    engine (and the same pinned pool). Runs outside torch.compile's graphs: the step is a
-    context manager over saved-tensor hooks that dynamo cannot trace, and a mark traced once
-    would never run again.
+    engine (and the same pinned pool). The engine's step and marks run outside torch.compile's
+    graphs (they are `torch.compiler.disable`d): a mark traced once would never run again, and
+    saved-tensor hooks are not traceable; the model's own forward inside the step is compiled.
     """
 
     def __init__(self, engine: OffloadEngine) -> None:
@@ -166,10 +167,9 @@ class _OffloadScope(NotPicklable):
     def __deepcopy__(self, memo: dict[int, Any]) -> _OffloadScope:
         return self
 
-    @torch.compiler.disable(recursive=False)
-    def __call__(self, module: nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, module: nn.Module, previous: Any, *args: Any, **kwargs: Any) -> Any:
         if not (module.training and torch.is_grad_enabled()):
-            return fn(*args, **kwargs)
+            return call_inner(module, previous, *args, **kwargs)
         if self.removed:
             raise PolicyApplyError(
                 "this model is a copy of a model whose actcfg policy was removed, and its offload "
@@ -177,7 +177,7 @@ class _OffloadScope(NotPicklable):
                 "torch.no_grad()/eval mode"
             )
         with self.engine.step():
-            return fn(*args, **kwargs)
+            return call_inner(module, previous, *args, **kwargs)
 
     @torch.compiler.disable
     def mark(self, module: nn.Module, args: tuple[Any, ...]) -> None:

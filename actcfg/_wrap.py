@@ -27,6 +27,7 @@ __all__ = [
     "NotPicklable",
     "Undo",
     "WRAPPED",
+    "call_inner",
     "call_with_flat_tensors",
     "class_name",
     "label",
@@ -171,8 +172,8 @@ def select_modules(model: nn.Module, patterns: tuple[str, ...], every: int) -> l
 
 
 class _BoundForward(NotPicklable):
-    """`impl(module, inner, *args, **kwargs)` as the instance's forward, where `inner` is the
-    forward it replaced (an earlier instance forward, else the class's).
+    """`impl(module, previous, *args, **kwargs)` as the instance's forward, where `previous` is
+    the instance forward it replaced (None: the class's; `call_inner` runs either).
 
     Holds its module; `copy.deepcopy` of the model maps that to the copy, so the copy computes
     with its own weights. `impl` holds only settings and counters, shared by copies.
@@ -184,18 +185,28 @@ class _BoundForward(NotPicklable):
         self.previous = previous
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.module
-        inner = self.previous if self.previous is not None else type(module).forward.__get__(module)
-        return self.impl(module, inner, *args, **kwargs)
+        return self.impl(self.module, self.previous, *args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _BoundForward:
         return _BoundForward(self.impl, copy.deepcopy(self.module, memo),
                              copy.deepcopy(self.previous, memo))
 
 
+def call_inner(module: nn.Module, previous: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run the forward an override replaced: `previous`, else the class's forward.
+
+    The class's forward is called as a plain function, never bound and passed around: traced by
+    torch.compile, a bound `module.forward` would be rebuilt as the instance attribute, which is
+    the override itself.
+    """
+    if previous is not None:
+        return previous(*args, **kwargs)
+    return type(module).forward(module, *args, **kwargs)
+
+
 def override_forward(undo: Undo, module: nn.Module, impl: Callable[..., Any], what: str) -> None:
-    """Make `impl(module, inner, *args, **kwargs)` the instance's forward, undoably; overrides
-    stack (the root can be checkpointed and scope the offload)."""
+    """Make `impl(module, previous, *args, **kwargs)` the instance's forward, undoably;
+    overrides stack (the root can be checkpointed and scope the offload)."""
     d = module.__dict__
     previous, previous_marker = d.get("forward"), d.get(WRAPPED)
     d[WRAPPED] = Marker(what if previous_marker is None else f"{previous_marker}; {what}")

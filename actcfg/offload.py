@@ -460,9 +460,12 @@ class OffloadEngine:
 
     # --- forward ---------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def step(self) -> Iterator[OffloadEngine]:
-        """Offload what autograd saves inside this block; the last group stays on the device."""
+    def step(self) -> _StepScope:
+        """A context manager: offload what autograd saves inside it; the last group stays on
+        the device."""
+        return _StepScope(self)
+
+    def _open_step(self) -> None:
         if self._closed:
             raise OffloadError("this offload engine was closed (the policy was removed)")
         if self._step is not None:
@@ -475,14 +478,8 @@ class OffloadEngine:
                 )
             raise OffloadError("offload steps do not nest: a forward pass is already being offloaded")
         self._begin_step()
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                yield self
-        except BaseException:
-            self._end_step(judge=False)
-            raise
-        self._end_step(judge=True)
 
+    @torch.compiler.disable
     def mark_group(self) -> None:
         """A block boundary: start offloading the group saved so far, open a new one."""
         if self._step is None or self._owner != threading.get_ident():
@@ -712,6 +709,28 @@ class OffloadEngine:
         self._closed = True
         self._inflight.clear()
         self._unpin_at_exit()
+
+
+class _StepScope:
+    """One forward pass under the engine's saved-tensor hooks. Entered and left outside
+    torch.compile's graphs: dynamo breaks its graph here, and the forward inside is compiled."""
+
+    def __init__(self, engine: OffloadEngine) -> None:
+        self.engine = engine
+        self.hooks: Any = None
+
+    @torch.compiler.disable
+    def __enter__(self) -> OffloadEngine:
+        engine = self.engine
+        engine._open_step()
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(engine._pack, engine._unpack)
+        self.hooks.__enter__()
+        return engine
+
+    @torch.compiler.disable
+    def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
+        self.hooks.__exit__(kind, value, tb)
+        self.engine._end_step(judge=kind is None)
 
 
 # A view is moved with its whole storage (q, k and v of one qkv projection travel as one
