@@ -299,7 +299,10 @@ def _import(args: argparse.Namespace) -> int:
     if failed:
         _report(failed)
         return _exit_code(failed)
-    imported = import_ds_config(doc.data, modules=args.modules, external=args.external)
+    if args.num_checkpoints is not None and args.num_checkpoints < 1:
+        raise _Usage(f"--num-checkpoints must be at least 1, got {args.num_checkpoints}")
+    imported = import_ds_config(doc.data, modules=args.modules, external=args.external,
+                                num_checkpoints=args.num_checkpoints)
     diagnostics = _in_file_order(_problems(doc, args.file)
                                  + _located(doc, args.file, imported.findings))
     _report(diagnostics)
@@ -321,6 +324,10 @@ def _add_import(sub: Any) -> None:
     which.add_argument("--external", action="store_true",
                        help="the model calls deepspeed.checkpointing.checkpoint itself "
                             "(Megatron, gpt-neox): write `checkpoint: {mode: external}`")
+    p.add_argument("--num-checkpoints", type=int, metavar="N",
+                   help="checkpointed calls per step, as the program passes num_checkpoints to "
+                        "configure() itself (Megatron: its --num-layers); needed for contiguous "
+                        "buffers with --external when the file has no number_checkpoints")
     p.add_argument("-o", "--output", metavar="OUT",
                    help="write here instead of stdout (never over the input)")
     p.set_defaults(run=_import)

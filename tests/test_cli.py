@@ -386,10 +386,25 @@ def test_import_gpt_neox_yaml(run_cli, tmp_path):
     config = tmp_path / "neox.yml"
     config.write_text('# gpt-neox\n{\n  "num-layers": 12,\n  "checkpoint-activations": true,\n'
                       '  "checkpoint-num-layers": 1,\n  "synchronize-each-layer": true,\n}\n')
-    result = run_cli("import", config, "--modules", "ParallelTransformerLayerPipe")
+    result = run_cli("import", config)
     assert (result.code, result.err) == (0, "")
     assert result.out.startswith("# actcfg policy imported from a gpt-neox config")
-    assert "synchronize: true\n" in result.out
+    assert "  mode: external\n" in result.out and "synchronize: true\n" in result.out
+
+
+def test_import_external_and_its_count(run_cli, tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"activation_checkpointing": {"partition_activations": true,\n'
+                  '  "contiguous_memory_optimization": true}}')
+    assert run_cli("import", ds, "--external", "--modules", "Block").code == 2  # one or the other
+    result = run_cli("import", ds, "--external", "--num-checkpoints", "0")
+    assert (result.code, result.err) == (2, "actcfg: error: --num-checkpoints must be at least 1, got 0\n")
+    out = tmp_path / "p.yaml"
+    result = run_cli("import", ds, "--external", "--num-checkpoints", "12", "-o", out)
+    assert result.code == 0, result.err
+    translated = json.loads(run_cli("translate", out).out)
+    assert translated["route"] == {"function": "deepspeed.checkpointing.checkpoint", "called_by": "the model"}
+    assert translated["configure_kwargs"]["num_checkpoints"] == 12
 
 
 def test_import_bad_json(run_cli, tmp_path):

@@ -30,6 +30,7 @@ POLICY = Policy.model_validate({"version": 1, "backend": "deepspeed",
 SECTION = to_deepspeed(POLICY)["activation_checkpointing"]
 BASE = {"train_batch_size": 8, "zero_optimization": {"stage": 2}}
 AC = "activation_checkpointing"
+_CONTIGUOUS = "contiguous_memory_optimization"
 
 
 def _ds_sections() -> dict[str, dict]:
@@ -374,6 +375,36 @@ def test_import_refuses_what_is_not_an_object() -> None:
     assert result.yaml is None and [f.code for f in result.findings] == ["bad-value"]
 
 
+def test_import_external_writes_mode_external_and_no_placeholder() -> None:
+    result = import_ds_config({AC: {"cpu_checkpointing": True}}, external=True)
+    assert result.findings == []
+    assert "checkpoint:\n  mode: external\n" in result.yaml and MODULES_PLACEHOLDER not in result.yaml
+    policy = _load(result)
+    assert policy.checkpoint.mode == "external"
+    assert to_deepspeed(policy)["route"] == {"function": "deepspeed.checkpointing.checkpoint",
+                                             "called_by": "the model"}
+
+
+def test_external_contiguous_needs_the_count_the_program_passes() -> None:
+    section = {AC: {"partition_activations": True, "contiguous_memory_optimization": True}}
+    refused = import_ds_config(section, external=True)
+    assert refused.yaml is None
+    [error] = [f for f in refused.findings if f.severity == "error"]
+    assert (error.code, error.path) == ("contiguous-needs-num-checkpoints", (AC, _CONTIGUOUS))
+    assert error.hint.startswith("run import with --num-checkpoints N")
+    assert "num-checkpoints-unset" not in [f.code for f in refused.findings]  # said once, as the error
+    result = import_ds_config(section, external=True, num_checkpoints=24)
+    assert _load(result).num_checkpoints == 24
+
+
+def test_a_count_given_to_import_overrides_the_files_and_says_so() -> None:
+    result = import_ds_config({AC: {"partition_activations": True, "contiguous_memory_optimization": True,
+                                    "number_checkpoints": 12}}, modules=["B"], num_checkpoints=24)
+    assert [f.code for f in result.findings][:1] == ["ignored-key"]
+    assert result.findings[0].message.startswith("`number_checkpoints` is 12, but --num-checkpoints gives 24")
+    assert _load(result).num_checkpoints == 24
+
+
 # --- gpt-neox ----------------------------------------------------------------------------
 
 
@@ -390,6 +421,20 @@ def test_gpt_neox_flags_are_imported_in_either_spelling(spell) -> None:
             policy.profile) == (True, True, True, True, False)
     assert policy.num_checkpoints == 6  # ceil(11 / 2), as gpt-neox passes it to configure()
     assert "# num_checkpoints: ceil(" in result.yaml
+
+
+def test_gpt_neox_models_checkpoint_themselves_so_import_writes_external() -> None:
+    result = import_ds_config({"num-layers": 44, "checkpoint-activations": True,
+                               "contiguous-checkpointing": True, "partition-activations": True,
+                               "checkpoint-num-layers": 4})
+    policy = _load(result)
+    assert (policy.checkpoint.mode, policy.contiguous, policy.num_checkpoints) == ("external", True, 11)
+    refused = import_ds_config({"checkpoint-activations": True, "contiguous-checkpointing": True,
+                                "partition-activations": True})  # no num-layers to count with
+    assert refused.yaml is None
+    assert [f.code for f in refused.findings if f.severity == "error"] == ["contiguous-needs-num-checkpoints"]
+    assert _load(import_ds_config({"checkpoint-activations": True, "contiguous-checkpointing": True,
+                                   "partition-activations": True}, num_checkpoints=8)).num_checkpoints == 8
 
 
 def test_gpt_neox_flags_without_checkpoint_activations_do_nothing() -> None:

@@ -140,9 +140,12 @@ def _neox_configure_kwargs(path: Path) -> dict:
 
 @pytest.mark.parametrize("path", NEOX, ids=lambda p: p.name)
 def test_each_gpt_neox_config_configures_deepspeed_as_gpt_neox_does(run_cli, tmp_path, path, ds_env):
-    policy, codes = _import(run_cli, path, tmp_path, "--modules", "ParallelTransformerLayerPipe")
+    policy, codes = _import(run_cli, path, tmp_path)  # gpt-neox checkpoints itself: external
     assert codes == EXPECTED_FINDINGS.get(path.name, [])
-    kwargs = _translated(run_cli, policy)["configure_kwargs"]
+    assert "  mode: external\n" in policy.read_text()
+    translated = _translated(run_cli, policy)
+    assert translated["route"] == {"function": "deepspeed.checkpointing.checkpoint", "called_by": "the model"}
+    kwargs = translated["configure_kwargs"]
     neox = _neox_configure_kwargs(path)
     states = []
     for passed in (neox, kwargs):
@@ -163,3 +166,20 @@ def test_the_numbers(run_cli, tmp_path):
     clean = [p for p in CORPUS if p.name not in EXPECTED_FINDINGS]
     assert (len(CORPUS), len(clean), len(EXPECTED_FINDINGS)) == (33, 16, 17)
     assert sum(_C in codes for codes in EXPECTED_FINDINGS.values()) == 8
+
+
+@pytest.mark.parametrize("name", ["dsexamples-megatron-ds_zero-offload_10B_config.json",
+                                  "deepspeed-tests-megatron_gpt2-ds_config_func_bs8_zero2.json"])
+def test_a_megatron_config_imports_as_external_with_the_count_megatron_passes(run_cli, tmp_path, name):
+    """Megatron calls deepspeed.checkpointing.checkpoint itself and passes num_checkpoints =
+    its layer count to configure(): with `--external` that count must come from the user."""
+    path = CORPUS_DIR / name
+    refused = run_cli("import", path, "--external")
+    assert (refused.code, refused.out) == (1, "")
+    assert " error contiguous-needs-num-checkpoints: " in refused.err
+    assert "(run import with --num-checkpoints N, N the number of checkpointed calls per step " \
+           "(Megatron passes its --num-layers), or with --modules to let actcfg.apply count them)" in refused.err
+    policy, _ = _import(run_cli, path, tmp_path, "--external", "--num-checkpoints", "24")
+    translated = _translated(run_cli, policy)
+    assert translated["configure_kwargs"]["num_checkpoints"] == 24
+    assert "modules" not in translated["route"]

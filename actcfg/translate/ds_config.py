@@ -311,6 +311,13 @@ def _render(header: list[str], checkpoint: list[str], values: dict[str, Any] | N
     return "\n".join(lines) + "\n"
 
 
+_IMPORT_HINTS = {
+    "contiguous-needs-num-checkpoints":
+        "run import with --num-checkpoints N, N the number of checkpointed calls per step "
+        "(Megatron passes its --num-layers), or with --modules to let actcfg.apply count them",
+}
+
+
 def _policy_findings(text: str, where: Mapping[str, tuple[Any, ...]], fallback: tuple[Any, ...],
                      placeholder: bool) -> list[Finding]:
     """The schema's findings for the imported YAML, each at the file key it came from."""
@@ -331,11 +338,12 @@ def _policy_findings(text: str, where: Mapping[str, tuple[Any, ...]], fallback: 
     out = []
     for f in found:
         path = where.get(".".join(f.path), fallback)
-        out.append(Finding(f.code, f.severity, path, f.message, f.hint))
+        out.append(Finding(f.code, f.severity, path, f.message, _IMPORT_HINTS.get(f.code, f.hint)))
     return out
 
 
-def _import_neox(ds_config: Mapping[str, Any], modules: Sequence[str] | None) -> ImportResult:
+def _import_neox(ds_config: Mapping[str, Any], modules: Sequence[str] | None,
+                 num_checkpoints: int | None) -> ImportResult:
     findings: list[Finding] = []
     seen: dict[str, tuple[str, Any]] = {}
     for key, value in ds_config.items():
@@ -375,7 +383,9 @@ def _import_neox(ds_config: Mapping[str, Any], modules: Sequence[str] | None) ->
         layers = seen.get("num_layers")
         chunk_key, chunk = seen.get("checkpoint_num_layers", ("checkpoint-num-layers", 1))
         where["num_checkpoints"] = seen["contiguous_checkpointing"][:1]
-        if layers is not None and _is_count(layers[1]) and _is_count(chunk):
+        if num_checkpoints is not None:
+            values["num_checkpoints"] = num_checkpoints
+        elif layers is not None and _is_count(layers[1]) and _is_count(chunk):
             values["num_checkpoints"] = -(-layers[1] // chunk)
             header.append(f"# num_checkpoints: ceil({layers[0]} / {chunk_key}), as gpt-neox passes it")
     text = _render(header, _checkpoint_lines(modules, not modules), values)
@@ -388,14 +398,16 @@ def _result(text: str, findings: list[Finding], source: str) -> ImportResult:
 
 
 def import_ds_config(ds_config: Any, *, modules: Sequence[str] | None = None,
-                     external: bool = False) -> ImportResult:
+                     external: bool = False, num_checkpoints: int | None = None) -> ImportResult:
     """The actcfg policy for what DeepSpeed runs from `ds_config` (a parsed ds_config, or a
     gpt-neox config), as YAML, with every finding.
 
     A ds_config cannot say which modules go through deepspeed.checkpointing.checkpoint (the
     model code decides): `modules` names them (`checkpoint: {mode: full}`), `external` says the
     model calls it itself (`mode: external`); with neither, the YAML holds the placeholder
-    `CHANGE_ME`, which validation refuses until it is replaced.
+    `CHANGE_ME`, which validation refuses until it is replaced. `num_checkpoints` is the count
+    the program passes to configure() itself (Megatron: its layer count), which the file
+    cannot hold when it leaves number_checkpoints out.
     """
     if not isinstance(ds_config, dict):
         return ImportResult(None, [Finding(
@@ -404,7 +416,7 @@ def import_ds_config(ds_config: Any, *, modules: Sequence[str] | None = None,
     if _is_neox(ds_config):
         # gpt-neox's model calls deepspeed.checkpointing.checkpoint itself: external, unless
         # the caller names modules to route instead.
-        return _import_neox(ds_config, None if external else modules)
+        return _import_neox(ds_config, None if external else modules, num_checkpoints)
     findings: list[Finding] = []
     typo = _section_typo(ds_config)
     if typo is not None:
@@ -445,7 +457,15 @@ def import_ds_config(ds_config: Any, *, modules: Sequence[str] | None = None,
     path = (SECTION, _COUNT)
     contiguous = values.get("contiguous", False)
     where["num_checkpoints"] = path if _COUNT in section else (SECTION, _CONTIGUOUS)
-    if _is_count(count):
+    if num_checkpoints is not None:
+        values["num_checkpoints"] = num_checkpoints
+        if _COUNT in section and not _same(count, num_checkpoints):
+            findings.append(Finding(
+                "ignored-key", "warning", path,
+                f"`{_COUNT}` is {_js(count)}, but --num-checkpoints gives {num_checkpoints}, the "
+                "count the program passes to configure() (which overrides the file's): "
+                f"imported {num_checkpoints}", f"remove `{_COUNT}`, or make the two agree"))
+    elif _is_count(count):
         values["num_checkpoints"] = count
     elif not contiguous:
         if count is not None:
@@ -454,7 +474,7 @@ def import_ds_config(ds_config: Any, *, modules: Sequence[str] | None = None,
                 f"`{_COUNT}` is {_js(count)}, which is not a count, but DeepSpeed reads it only "
                 f"with {_CONTIGUOUS} on, and it is off here: never read; not imported",
                 f"remove `{_COUNT}`, or write a whole number of at least 1"))
-    else:
+    elif not external:  # with `mode: external` the schema's rule says it, as an error
         fails = ("asserts at configure() (`Must specify the number of layers`)" if count is None else
                  f"fails when it sizes its buffers with {_js(count)}")
         wrote = "no count" if _COUNT not in section else f"{_COUNT} {_js(count)}"
