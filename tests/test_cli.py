@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import actcfg.cli
+from actcfg.checker import check_file
 from actcfg.schema import policy_json_schema
 from conftest import CONFIGS, DATA, ROOT
 
@@ -543,15 +546,130 @@ def test_validate_imports_neither_torch_nor_deepspeed():
     assert proc.stdout.splitlines()[-1] == "1 []", proc.stderr
 
 
-def test_pre_commit_hook_runs_validate(run_cli):
+def test_import_and_merge_import_neither_torch_nor_deepspeed():
+    ds = DATA / "realworld" / "openrlhf-ddpo_ds_config.json"
+    code = (
+        "import sys\n"
+        "from actcfg.cli import main\n"
+        f"rc = main(['import', {str(ds)!r}, '--modules', 'Block'])\n"
+        f"rc += main(['translate', {str(DS_CPU)!r}, '--merge', {str(ds)!r}])\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed'))\n"
+        "print(rc, heavy)\n"
+    )
+    proc = _python("-c", code)
+    assert proc.stdout.splitlines()[-1] == "1 []", proc.stderr  # merge refuses: partition differs
+
+
+def test_readme_first_contact():
+    """The first command's one warning is explained, and the CPU wheel is given as PyTorch
+    documents it (the public index's torch is the CUDA build, over 2 GB)."""
+    readme = (ROOT / "README.md").read_text()
+    warned = [p for p in CONFIGS if any(d.severity == "warning" for d in check_file(p)[1])]
+    assert [p.name for p in warned] == ["deepspeed-partition-model-parallel.yaml"]
+    assert "The one warning `validate` prints is meant: `configs/deepspeed-partition-model-parallel.yaml`" in readme
+    assert "`python -m pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu`" in readme
+    assert (ROOT / "LICENSE").read_text().startswith("\n                                 Apache License\n"
+                                                     "                           Version 2.0, January 2004\n")
+
+
+def test_pre_commit_hooks_run_validate(run_cli):
     import re
 
     import yaml
 
-    [hook] = yaml.safe_load((ROOT / ".pre-commit-hooks.yaml").read_text())
-    assert (hook["id"], hook["entry"], hook["language"], hook["types"]) == (
-        "actcfg-validate", "actcfg validate", "python", ["yaml"])
-    files = re.compile(hook["files"])
-    assert all(files.search(str(p.relative_to(ROOT))) for p in CONFIGS)
-    assert not files.search("docs/other.yaml") and not files.search(".pre-commit-hooks.yaml")
-    assert run_cli(*hook["entry"].split()[1:], *CONFIGS).code == 0
+    hooks = {h["id"]: h for h in yaml.safe_load((ROOT / ".pre-commit-hooks.yaml").read_text())}
+    assert {i: (h["entry"], h["language"], h["types"]) for i, h in hooks.items()} == {
+        "actcfg-validate": ("actcfg validate", "python", ["yaml"]),
+        "actcfg-validate-system": ("actcfg validate", "system", ["yaml"]),
+    }
+    for hook in hooks.values():
+        files = re.compile(hook["files"])
+        assert all(files.search(str(p.relative_to(ROOT))) for p in CONFIGS)
+        assert not files.search("docs/other.yaml") and not files.search(".pre-commit-hooks.yaml")
+    assert run_cli(*hooks["actcfg-validate"]["entry"].split()[1:], *CONFIGS).code == 0
+
+
+def _docs_pre_commit_configs() -> list[dict]:
+    import yaml
+
+    text = (ROOT / "docs" / "keys.md").read_text()
+    section = text[text.index("## pre-commit"):]
+    section = section[:section.index("\n## ", 1)]
+    return [yaml.safe_load(block) for block in re.findall(r"```yaml\n(.*?)```", section, re.S)]
+
+
+def test_the_documented_rev_is_the_version_tag():
+    from actcfg._version import __version__
+
+    remote, path, local = _docs_pre_commit_configs()
+    assert [r["rev"] for c in (remote, path) for r in c["repos"]] == [f"v{__version__}"] * 2
+    assert [h["id"] for c in (remote, path) for r in c["repos"] for h in r["hooks"]] == [
+        "actcfg-validate", "actcfg-validate-system"]
+    assert local["repos"][0]["repo"] == "local"
+
+
+def _git(cwd, *args: str) -> None:
+    subprocess.run(["git", "-c", "user.name=actcfg-test", "-c", "user.email=test@actcfg.invalid",
+                    "-c", "commit.gpgsign=false", *args], cwd=cwd, check=True, capture_output=True,
+                   timeout=60)
+
+
+@pytest.mark.parametrize("how", ["tag", "local"])
+def test_pre_commit_installs_the_hook_and_refuses_a_bad_policy(tmp_path, how):
+    """Installs the documented hook into a throwaway repository and commits a good, then a bad
+    policy. No network: the hook repository is a local clone tagged with the version (a real
+    tag), or `repo: local`; both run the actcfg of this checkout."""
+    import shutil
+
+    import yaml
+
+    from actcfg._version import __version__
+
+    if shutil.which("pre-commit") is None or shutil.which("git") is None:
+        pytest.skip("needs pre-commit and git")
+    remote, path_config, local = _docs_pre_commit_configs()
+    bin_dir = tmp_path / "bin"  # `actcfg` on PATH = this checkout, run by this interpreter
+    bin_dir.mkdir()
+    shim = bin_dir / "actcfg"
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m actcfg "$@"\n')
+    shim.chmod(0o755)
+    if how == "tag":
+        hooks_repo = tmp_path / "actcfg-hooks"
+        hooks_repo.mkdir()
+        (hooks_repo / ".pre-commit-hooks.yaml").write_text((ROOT / ".pre-commit-hooks.yaml").read_text())
+        _git(hooks_repo, "init", "-q")
+        _git(hooks_repo, "add", ".")
+        _git(hooks_repo, "commit", "-qm", "hooks")
+        _git(hooks_repo, "tag", f"v{__version__}")
+        config = path_config
+        config["repos"][0]["repo"] = str(hooks_repo)
+    else:
+        config = local
+    project = tmp_path / "project"
+    (project / "configs").mkdir(parents=True)
+    (project / ".pre-commit-config.yaml").write_text(yaml.safe_dump(config))
+    _git(project, "init", "-q")
+    environ = {k: v for k, v in os.environ.items() if k != "GITHUB_ACTIONS"} | {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
+        "PRE_COMMIT_HOME": str(tmp_path / "pre-commit-home"), "GIT_CONFIG_NOSYSTEM": "1"}
+    installed = subprocess.run(["pre-commit", "install"], cwd=project, env=environ,
+                               capture_output=True, text=True, timeout=120)
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+
+    def commit(name: str, source: Path) -> subprocess.CompletedProcess[str]:
+        (project / "configs" / name).write_text(source.read_text())
+        subprocess.run(["git", "add", "-A"], cwd=project, check=True, env=environ, timeout=60)
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@actcfg.invalid",
+                               "-c", "commit.gpgsign=false", "commit", "-qm", name],
+                              cwd=project, env=environ, capture_output=True, text=True, timeout=120)
+
+    good = commit("good.yaml", DS_CPU)
+    assert good.returncode == 0, good.stdout + good.stderr
+    bad = commit("bad.yaml", SEED)
+    output = bad.stdout + bad.stderr  # git prints the hook's output on stderr
+    assert bad.returncode == 1
+    assert "configs/bad.yaml:7:1: error unknown-key: unknown key `checkpoint_in_cpu`" in output
+    assert "actcfg: 1 file checked: 1 error, 0 warnings" in output  # only the staged file
+    committed = subprocess.run(["git", "ls-tree", "-r", "--name-only", "HEAD"], cwd=project,
+                               capture_output=True, text=True, check=True).stdout.split()
+    assert committed == [".pre-commit-config.yaml", "configs/good.yaml"]  # the bad one was refused
