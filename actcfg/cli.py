@@ -46,7 +46,12 @@ class _OutputFailed(Exception):
 
 def _write_stream(stream: Any, name: str, text: str) -> None:
     try:
-        stream.write(text)
+        try:
+            stream.write(text)
+        except UnicodeEncodeError:
+            # A terminal that is not UTF-8 (PYTHONIOENCODING=ascii): the file's bytes as they are.
+            stream.flush()
+            stream.buffer.write(text.encode("utf-8"))
         stream.flush()  # a full disk shows at the flush, which must not wait for exit
     except BrokenPipeError:
         raise
@@ -238,7 +243,7 @@ def _merge(args: argparse.Namespace, section: dict[str, Any]) -> tuple[str | Non
     if parse_config(text, args.merge).data != expected:
         raise ActcfgError(f"--merge: splicing the section into {args.merge} changed other "
                           "values; nothing was written (please report this)")
-    return text, 0
+    return ("\ufeff" if doc.bom else "") + text, 0
 
 
 def _translate(args: argparse.Namespace) -> int:

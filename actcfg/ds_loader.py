@@ -62,6 +62,8 @@ class JsonDocument:
     problems: tuple[Problem, ...] = ()
     """Duplicate keys: DeepSpeed refuses the file, json.load keeps the last one."""
     line_starts: tuple[int, ...] = field(default=(0,), repr=False)
+    bom: bool = False
+    """The file started with a UTF-8 byte-order mark (not part of `text`)."""
 
     def position(self, offset: int) -> tuple[int, int]:
         """The 1-based (line, column) of a character offset."""
@@ -312,8 +314,12 @@ def read_config(path: str | os.PathLike[str]) -> JsonDocument | Document:
     otherwise. Raises `LoadFailure`."""
     from actcfg.loader import parse_document
 
+    import codecs
+    import dataclasses
+
     name = os.fspath(path)
-    text = decode_text(read_bytes(name))
+    raw = read_bytes(name)
+    text = decode_text(raw)
     if name.lower().endswith(YAML_SUFFIXES):
         return parse_document(text, name, yaml11=True)
-    return parse_config(text, name)
+    return dataclasses.replace(parse_config(text, name), bom=raw.startswith(codecs.BOM_UTF8))

@@ -218,6 +218,16 @@ def test_translate_merge_keeps_every_byte_outside_the_section(run_cli, tmp_path)
     assert section == json.loads(run_cli("translate", DS_CPU).out)["activation_checkpointing"]
 
 
+def test_translate_merge_keeps_a_byte_order_mark_and_crlf(run_cli, tmp_path):
+    ds = tmp_path / "ds_config.json"
+    ds.write_bytes(b'\xef\xbb\xbf{\r\n  "train_batch_size": 8\r\n}\r\n')
+    target = tmp_path / "merged.json"
+    assert run_cli("translate", DS_CPU, "--merge", ds, "-o", target).code == 0
+    out = target.read_bytes()
+    assert out.startswith(b'\xef\xbb\xbf{\r\n  "train_batch_size": 8,\r\n  "activation_checkpointing": {\r\n')
+    assert out.endswith(b"  }\r\n}\r\n") and b"\n" not in out.replace(b"\r\n", b"")
+
+
 def test_translate_merge_keeps_comments_of_an_hjson_config(run_cli, tmp_path):
     ds = tmp_path / "ds_config.json"
     ds.write_text('{\n  // DeepSpeed reads comments (hjson)\n  "train_batch_size": 8,\n}\n')
@@ -532,6 +542,14 @@ def test_a_full_disk_on_stdout_or_stderr_exits_2_without_a_traceback(argv, strea
     if stream == "stdout":
         assert proc.stderr.endswith("actcfg: error: cannot write to standard output: No space left on device\n")
         assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr
+
+
+def test_merge_prints_non_ascii_to_a_terminal_that_is_not_utf8(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_bytes('{"name": "café"}'.encode())
+    proc = _python("-m", "actcfg", "translate", str(DS_CPU), "--merge", str(ds), PYTHONIOENCODING="ascii")
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert proc.stdout.startswith('{"name": "café", "activation_checkpointing": {')
 
 
 def test_validate_imports_neither_torch_nor_deepspeed():
