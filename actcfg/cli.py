@@ -502,7 +502,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (_OutputFailed, BrokenPipeError):
             raise
         except Exception as e:  # last resort: never a traceback
-            _err(f"actcfg: internal error, please report: {type(e).__name__}: {escape_controls(str(e))}\n")
+            what = escape_controls(f"{type(e).__name__}: {e}")
+            _err(f"actcfg: internal error, please report: {what}\n")
             return 2
     except BrokenPipeError:
         # The reader went away (`| head`): silence the flush at exit, as the Python docs advise.

@@ -54,7 +54,9 @@ def escape_controls(text: str) -> str:
 
     def escape(match: re.Match[str]) -> str:
         char = match.group()
-        return _NAMED.get(char) or (f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}")
+        if char in _NAMED:
+            return _NAMED[char]
+        return f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}"
 
     return _CONTROLS.sub(escape, text)
 

@@ -105,7 +105,8 @@ class _Members:
 
     __slots__ = ("open", "pairs", "values")
 
-    def __init__(self, open_at: int, pairs: list[tuple[str, Any]], values: list[tuple[int, int]]) -> None:
+    def __init__(self, open_at: int, pairs: list[tuple[str, Any]],
+                 values: list[tuple[int, int]]) -> None:
         self.open = open_at
         self.pairs = pairs
         self.values = values

@@ -134,7 +134,8 @@ def _scalar_forms(resolver: type[BaseResolver]) -> dict[str, re.Pattern[str]]:
     def implicit(tag: str, first: str) -> re.Pattern[str]:
         return next(regex for t, regex in resolver.yaml_implicit_resolvers[first] if t == _TAG + tag)
 
-    forms = {_TAG + tag: implicit(tag, first) for tag, first in (("bool", "t"), ("int", "1"), ("null", "~"))}
+    forms = {_TAG + tag: implicit(tag, first)
+             for tag, first in (("bool", "t"), ("int", "1"), ("null", "~"))}
     forms[_TAG + "float"] = re.compile(
         "|".join(f"(?:{regex.pattern})" for t, regex in resolver.yaml_implicit_resolvers["1"]
                  if t in (_TAG + "float", _TAG + "int")),
@@ -276,7 +277,8 @@ class Document:
         for part in path:
             if isinstance(node, MappingNode):
                 node = _child(node, part)[1]
-            elif isinstance(node, SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
+            elif (isinstance(node, SequenceNode) and isinstance(part, int)
+                  and 0 <= part < len(node.value)):
                 node = node.value[part]
             else:
                 return []

@@ -310,7 +310,8 @@ def _whole_number(value: Any) -> Any:
 class Policy(_Strict):
     """An activation-memory policy: what is recomputed, partitioned and offloaded."""
 
-    version: Annotated[Literal[1], BeforeValidator(_whole_number)] = Field(description=_DOC["Policy.version"])
+    version: Annotated[Literal[1], BeforeValidator(_whole_number)] = Field(
+        description=_DOC["Policy.version"])
     """Schema version of this file; this actcfg reads version 1."""
 
     backend: RuntimeBackend = Field(Backend.TORCH, description=_DOC["Policy.backend"])

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import difflib
 import json
-import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,10 +23,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from actcfg.errors import TranslationError
 from actcfg.backends import Backend
 from actcfg.backends.deepspeed import SECTION, TABLE
 from actcfg.backends.table import Key
+from actcfg.errors import TranslationError
 from actcfg.schema import MODULES_PLACEHOLDER, Finding, Policy, check_rules
 
 __all__ = [
@@ -45,7 +44,6 @@ BACKEND = Backend.DEEPSPEED.value
 
 # JSON key -> actcfg field, from the one DeepSpeed table.
 _FIELD_BY_KEY: dict[str, str] = {e.key: path for path, e in TABLE.items() if isinstance(e, Key)}
-_KEY_BY_FIELD: dict[str, str] = {path: key for key, path in _FIELD_BY_KEY.items()}
 _KEYS = tuple(_FIELD_BY_KEY)
 _COUNT = "number_checkpoints"
 _CONTIGUOUS = "contiguous_memory_optimization"
@@ -108,9 +106,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _js(value: Any) -> str:
-    """`value` as JSON text for a message (a non-finite float as JSON readers print it)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
+    """`value` as JSON text for a message, cut to 60 characters."""
     text = json.dumps(value, ensure_ascii=False)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -211,7 +207,8 @@ def splice_section(text: str, spans: Mapping[tuple[Any, ...], Any], section: Map
     top = sorted((span for path, span in spans.items() if len(path) == 1), key=lambda s: s.start)
     one_line = "\n" not in text[root.start:root.end]
     existing = spans.get((SECTION,))
-    key_indent = _line_indent(text, existing.key_start if existing else top[0].key_start) if top else "  "
+    first = existing if existing is not None else (top[0] if top else None)
+    key_indent = _line_indent(text, first.key_start) if first is not None else "  "
     unit = key_indent or "  "
     inner = [span for path, span in spans.items() if len(path) == 2 and path[0] == SECTION]
     if existing is not None and inner:
@@ -233,7 +230,8 @@ def splice_section(text: str, spans: Mapping[tuple[Any, ...], Any], section: Map
     if not top:  # `{}`: the section becomes the only member
         if one_line:
             return text[:root.start + 1] + member + text[root.start + 1:]
-        return text[:root.start + 1] + newline + key_indent + member + newline + text[root.start + 1:].lstrip(" \t")
+        rest = text[root.start + 1:].lstrip(" \t")
+        return text[:root.start + 1] + newline + key_indent + member + newline + rest
     last = top[-1]
     separator = ", " if one_line else "," + newline + key_indent
     return text[:last.end] + separator + member + text[last.end:]
