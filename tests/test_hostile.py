@@ -343,3 +343,51 @@ def test_recursive_alias(tmp_path):
     path.write_text("version: 1\ncheckpoint: &c {mode: full, modules: [*c]}\n")
     code, body, _ = validate(path)
     assert code == 1 and _codes(body) == ["yaml-too-complex"]
+
+
+# --- ds_configs through import and translate --merge ---------------------------------------
+
+_DS_KEYS = st.sampled_from(["activation_checkpointing", "partition_activations", "cpu_checkpointing",
+                            "contiguous_memory_optimization", "number_checkpoints", "profile",
+                            "checkpoint_in_cpu", "checkpoint-activations", "num_layers", "x"])
+_DS_DATA = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False)
+    | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_DS_KEYS | st.text(max_size=8), inner, max_size=5),
+    max_leaves=20,
+)
+_POLICY = Path(__file__).resolve().parent.parent / "configs" / "deepspeed-cpu-checkpointing.yaml"
+
+
+def _run(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    assert code in (0, 1, 2)
+    assert "internal error" not in err.getvalue() and "Traceback" not in err.getvalue()
+    return code, out.getvalue(), err.getvalue()
+
+
+@settings(max_examples=200, deadline=2000, suppress_health_check=[HealthCheck.too_slow], database=None)
+@given(data=st.dictionaries(_DS_KEYS, _DS_DATA, max_size=6), indent=st.sampled_from([None, 2, 4]),
+       comment=st.booleans())
+def test_random_ds_configs_through_import_and_merge(data, indent, comment):
+    """Import never fails on its own; a merge that succeeds changes nothing but the section."""
+    text = json.dumps(data, indent=indent)
+    if comment and text.startswith("{") and len(text) > 2:
+        text = "{ // hjson comment\n" + text[1:]  # DeepSpeed reads comments
+    path = _write("ds.json", text)
+    CASES["random-ds-config"] += 1
+    code, out, _ = _run("import", str(path), "--modules", "Block")
+    if code == 0:
+        assert out.startswith("# actcfg policy imported from a ")
+    code, out, _ = _run("translate", str(_POLICY), "--merge", str(path))
+    if code == 0:
+        from actcfg.ds_loader import parse_config
+
+        # As the file reads (hjson reads a bare `Infinity` as a string, json.load as a float).
+        before = parse_config(text, "ds.json").data
+        merged = parse_config(out, "merged.json").data
+        assert {k: v for k, v in merged.items() if k != "activation_checkpointing"} == {
+            k: v for k, v in before.items() if k != "activation_checkpointing"}
+        assert merged["activation_checkpointing"]["cpu_checkpointing"] is True
