@@ -33,6 +33,7 @@ _CODE_BY_TYPE = {
     "too_short": "out-of-range",
     "size_negative": "out-of-range",
     "size_format": "bad-size",
+    "size_under_a_byte": "bad-size",
     "size_type": "wrong-type",
     "string_pattern_mismatch": "bad-value",
     "string_too_short": "bad-value",
@@ -69,6 +70,11 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _described(value: Any) -> str:
+    """`string 'x'`, `integer 1`, `null`: the kind of a value, then the value unless obvious."""
+    return kind_of(value) if value is None else f"{kind_of(value)} {_shown(value)}"
+
+
 def _hint_for_type(kind: str, value: Any, path: tuple[Any, ...]) -> str:
     if kind == "bool_type" and isinstance(value, str):
         if value.lower() in YAML11_BOOLS:
@@ -98,6 +104,20 @@ def _from_error(error: Mapping[str, Any], data: Any, doc: Document | None, name:
     code = _CODE_BY_TYPE.get(kind, "wrong-type" if kind.endswith("_type") else "bad-value")
     where = _dotted(path)
     locate_key = False
+    written = _key_as_written(error, path, doc) if kind == "invalid_key" else None
+    if written is not None:
+        # A key YAML reads as null, a boolean or a number (`~:`, `true:`, `1:`): Pydantic names
+        # it by its Python value, at no position; name it as written, where it is written.
+        text, value, line, column = written
+        parent = path[:-1]
+        level = f"under `{_dotted(parent)}:`" if parent else "at the top level"
+        return [Diagnostic(
+            name, line, column, "unknown-key", "error",
+            f"unknown key `{text}` {level}: YAML reads it as {_described(value)}, not a name",
+            "a key is a name such as `partition`; remove this one",
+        )]
+    if kind == "too_short" and isinstance(value, (list, tuple)) and value:
+        return []  # `modules: [~]`: the item's own error says what is wrong; the list is not empty
     if code == "unknown-key":
         # Imported here: a valid file (the common, timed case) needs neither.
         from actcfg.suggest import keys_at, suggest
@@ -143,7 +163,7 @@ def _from_error(error: Mapping[str, Any], data: Any, doc: Document | None, name:
     elif code == "wrong-type":
         expected = _TYPE_WORDS.get(kind)
         message = (
-            f"`{where}` must be {expected}, got {kind_of(value)} {_shown(value)}"
+            f"`{where}` must be {expected}, got {_described(value)}"
             if expected
             else f"`{where}`: {error['msg']}"
         )
@@ -158,6 +178,9 @@ def _from_error(error: Mapping[str, Any], data: Any, doc: Document | None, name:
     elif kind == "size_negative":
         message = f"`{where}` is {_shown(value)}: a size cannot be negative"
         hint = "use a size of 0 or more, such as 16GiB"
+    elif kind == "size_under_a_byte":
+        message = f"`{where}` is {_shown(value)}: less than one byte, which would round to 0"
+        hint = "write 0 for no pinned memory at all, or a size of at least one byte, such as 1KiB"
     elif code == "bad-size":
         message = f"`{where}` is {_shown(value)}, not a size"
         hint = "write a number and one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, such as 16GiB"
@@ -169,6 +192,19 @@ def _from_error(error: Mapping[str, Any], data: Any, doc: Document | None, name:
         hint = "fix the value"
     line, column = doc.locate(path, key=locate_key) if doc is not None else (None, None)
     return [Diagnostic(name, line, column, code, "error", message, hint)]
+
+
+def _key_as_written(
+    error: Mapping[str, Any], path: tuple[Any, ...], doc: Document | None
+) -> tuple[str, Any, int, int] | None:
+    """(text, value, line, column) of the non-string key an `invalid_key` error is about."""
+    if doc is None or not path:
+        return None
+    loc = path[-1]
+    for text, value, line, column in doc.keys_at(path[:-1]):
+        if not isinstance(value, str) and (value == loc or str(value) == str(loc)):
+            return text, value, line, column
+    return None
 
 
 def _from_finding(finding: Finding, doc: Document | None, name: str) -> Diagnostic:

@@ -12,21 +12,22 @@ import atexit
 import contextlib
 import gc
 import os
+import stat
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from actcfg._version import __version__
 from actcfg.checker import check_document, check_file, failure_diagnostic
-from actcfg.diagnostics import REPORTER_BY_NAME, Diagnostic, Result
+from actcfg.diagnostics import REPORTER_BY_NAME, Diagnostic, Result, escape_controls
 from actcfg.errors import ActcfgError, TranslationError
-from actcfg.loader import LoadFailure, read_document, read_json
 from actcfg.backends import RUNTIME_BACKENDS, Backend
+from actcfg.loader import LoadFailure, read_document
 from actcfg.schema import policy_json_schema
 
 __all__ = ["COMMANDS", "main"]
 
-_UNREADABLE = frozenset({"file-not-found", "file-unreadable"})
+_UNREADABLE = frozenset({"file-not-found", "file-unreadable", "json-too-complex"})
 _BACKENDS = [b.value for b in Backend]
 _RUNTIME_BACKENDS = [b.value for b in RUNTIME_BACKENDS]
 
@@ -35,19 +36,93 @@ class _Usage(Exception):
     """A usage error found after parsing: report it and exit 2."""
 
 
+class _OutputFailed(Exception):
+    """Writing to stdout or stderr failed (a full disk, a closed terminal): exit 2."""
+
+    def __init__(self, stream: str, error: OSError) -> None:
+        super().__init__(f"cannot write to {stream}: {error.strerror or error}")
+        self.stream = stream
+
+
+def _write_stream(stream: Any, name: str, text: str) -> None:
+    try:
+        try:
+            stream.write(text)
+        except UnicodeEncodeError:
+            # A terminal that is not UTF-8 (PYTHONIOENCODING=ascii): the file's bytes as they are.
+            stream.flush()
+            stream.buffer.write(text.encode("utf-8"))
+        stream.flush()  # a full disk shows at the flush, which must not wait for exit
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise _OutputFailed(name, e) from None
+
+
 def _out(text: str, path: str | None = None) -> None:
     if path is None:
-        sys.stdout.write(text)
-        return
+        _write_stream(sys.stdout, "standard output", text)
+    else:
+        _write_file(path, text)
+
+
+def _err(text: str) -> None:
+    _write_stream(sys.stderr, "standard error", text)
+
+
+def _write_file(path: str, text: str) -> None:
+    """Write `text` to `path` whole or not at all: into a new file in the same folder, then
+    renamed over `path` (os.replace), so a failed write (a full disk) leaves the old file as
+    it was. A symlink is followed and kept; a device or pipe (`-o /dev/stdout`) is written
+    in place, as there is no file to replace."""
+    import tempfile
+
+    target = os.path.realpath(path)
     try:
-        with open(path, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        try:
+            info: os.stat_result | None = os.stat(target)
+        except FileNotFoundError:
+            info = None
+        if info is not None and stat.S_ISDIR(info.st_mode):
+            raise _Usage(f"cannot write {path}: it is a directory")
+        if info is not None and not stat.S_ISREG(info.st_mode):
+            with open(target, "w", encoding="utf-8") as handle:
+                handle.write(text)
+            return
+        fd, temporary = tempfile.mkstemp(dir=os.path.dirname(target),
+                                         prefix=f".{os.path.basename(target)}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
+                handle.write(text)
+                handle.flush()
+                os.fsync(handle.fileno())
+            if info is not None:
+                mode = stat.S_IMODE(info.st_mode)
+            else:
+                umask = os.umask(0)
+                os.umask(umask)
+                mode = 0o666 & ~umask
+            os.chmod(temporary, mode)
+            os.replace(temporary, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
     except OSError as e:
         raise _Usage(f"cannot write {path}: {e.strerror or e}") from None
 
 
-def _err(text: str) -> None:
-    sys.stderr.write(text)
+def _refuse_output_over(output: str | None, inputs: Sequence[str | None]) -> None:
+    """-o must not name an input: the input would be gone before it was read in full."""
+    if output is None:
+        return
+    for name in inputs:
+        if name is None:
+            continue
+        with contextlib.suppress(OSError):
+            if os.path.samefile(output, name):
+                raise _Usage(f"-o {output} is the input file {name}: actcfg does not write over "
+                             "its input; write to another file, check it, then move it")
 
 
 def _exit_code(diagnostics: Sequence[Diagnostic], strict: bool = False) -> int:
@@ -106,25 +181,77 @@ def _add_schema(sub: Any) -> None:
 
 
 def _report(diagnostics: Sequence[Diagnostic]) -> None:
-    _err("".join(f"{d}\n" for d in diagnostics))
+    if diagnostics:
+        _err("".join(f"{d}\n" for d in diagnostics))
 
 
-def _read_json(path: str) -> tuple[Any, list[Diagnostic]]:
+def _located(doc: Any, name: str, findings: Sequence[Any]) -> list[Diagnostic]:
+    """Findings (path in the config file) as diagnostics at the key each path names."""
+    out = []
+    for f in findings:
+        line, column = doc.locate(tuple(f.path), key=True)
+        out.append(Diagnostic(name, line, column, f.code, f.severity, f.message, f.hint))
+    return out
+
+
+def _problems(doc: Any, name: str) -> list[Diagnostic]:
+    return [Diagnostic(name, p.line, p.column, p.code, "error", p.message, p.hint)
+            for p in doc.problems]
+
+
+def _in_file_order(diagnostics: list[Diagnostic]) -> list[Diagnostic]:
+    return sorted(diagnostics, key=lambda d: (d.line or 0, d.column or 0))
+
+
+def _read_config(path: str) -> tuple[Any, list[Diagnostic]]:
+    from actcfg.ds_loader import read_config
+
     try:
-        data = read_json(path)
+        return read_config(path), []
     except LoadFailure as e:
         return None, [failure_diagnostic(path, e)]
-    if not isinstance(data, dict):
-        return None, [Diagnostic(path, 1, 1, "bad-value", "error",
-                                 "a ds_config is a JSON object", "pass the ds_config.json file")]
-    return data, []
+
+
+def _merge(args: argparse.Namespace, section: dict[str, Any]) -> tuple[str | None, int]:
+    """The ds_config's text with `section` spliced in, or None and the exit code."""
+    from actcfg.ds_loader import JsonDocument, parse_config
+    from actcfg.translate.ds_config import merge_conflicts, splice_section
+
+    doc, failed = _read_config(args.merge)
+    if failed:
+        _report(failed)
+        return None, _exit_code(failed)
+    if not isinstance(doc, JsonDocument):
+        raise _Usage(f"--merge edits a DeepSpeed JSON config, and {args.merge} is YAML")
+    if not isinstance(doc.data, dict):
+        _report([Diagnostic(args.merge, 1, 1, "bad-value", "error", "a ds_config is a JSON object",
+                            "pass the ds_config.json file")])
+        return None, 1
+    diagnostics = _in_file_order(_problems(doc, args.merge)
+                                 + _located(doc, args.merge, merge_conflicts(doc.data, section)))
+    _report(diagnostics)
+    if any(d.severity == "error" for d in diagnostics):
+        return None, 1
+    try:
+        text = splice_section(doc.text, doc.spans, section)
+    except TranslationError as e:
+        _report([Diagnostic(args.merge, 1, 1, "ds-config-conflict", "error", str(e),
+                            "add the section by hand")])
+        return None, 1
+    # The splice touched one member: check that the result reads back as the merge says.
+    expected = {**doc.data, "activation_checkpointing": section}
+    if parse_config(text, args.merge).data != expected:
+        raise ActcfgError(f"--merge: splicing the section into {args.merge} changed other "
+                          "values; nothing was written (please report this)")
+    return ("\ufeff" if doc.bom else "") + text, 0
 
 
 def _translate(args: argparse.Namespace) -> int:
     import json
 
-    from actcfg.translate import merge_ds_config, translate
+    from actcfg.translate import translate
 
+    _refuse_output_over(args.output, [args.file, args.merge])
     try:
         doc = read_document(args.file)
     except LoadFailure as e:
@@ -147,16 +274,11 @@ def _translate(args: argparse.Namespace) -> int:
                             str(e), f"remove `{e.field}`, or choose another backend")])
         return 1
     if args.merge:
-        ds_config, problems = _read_json(args.merge)
-        if problems:
-            _report(problems)
-            return _exit_code(problems)
-        try:
-            out = merge_ds_config(ds_config, out["activation_checkpointing"])
-        except TranslationError as e:
-            _report([Diagnostic(args.merge, None, None, "ds-config-conflict", "error", str(e),
-                                "edit the ds_config or the policy so they agree")])
-            return 1
+        text, code = _merge(args, out["activation_checkpointing"])
+        if text is None:
+            return code
+        _out(text, args.output)
+        return 0
     _out(json.dumps(out, indent=2) + "\n", args.output)
     return 0
 
@@ -166,8 +288,10 @@ def _add_translate(sub: Any) -> None:
     p.add_argument("file", metavar="FILE")
     p.add_argument("--backend", choices=_BACKENDS, help="default: the policy's `backend`")
     p.add_argument("--merge", metavar="DS_CONFIG",
-                   help="print this ds_config.json with the activation_checkpointing section merged in")
-    p.add_argument("-o", "--output", metavar="OUT", help="write here instead of stdout")
+                   help="print this ds_config.json with its activation_checkpointing section "
+                        "replaced (every other byte kept as written)")
+    p.add_argument("-o", "--output", metavar="OUT",
+                   help="write here instead of stdout (never over an input)")
     p.add_argument("--at", metavar="KEY", help="dotted key of the policy inside a larger YAML")
     p.set_defaults(run=_translate)
 
@@ -175,31 +299,65 @@ def _add_translate(sub: Any) -> None:
 def _import(args: argparse.Namespace) -> int:
     from actcfg.translate import import_ds_config
 
-    ds_config, problems = _read_json(args.file)
-    if problems:
-        _report(problems)
-        return _exit_code(problems)
-    try:
-        imported = import_ds_config(ds_config)
-    except TranslationError as e:
-        _report([Diagnostic(args.file, None, None, "unsupported-on-backend", "error", str(e),
-                            "fix the ds_config's activation_checkpointing section")])
+    _refuse_output_over(args.output, [args.file])
+    doc, failed = _read_config(args.file)
+    if failed:
+        _report(failed)
+        return _exit_code(failed)
+    if args.num_checkpoints is not None and args.num_checkpoints < 1:
+        raise _Usage(f"--num-checkpoints must be at least 1, got {args.num_checkpoints}")
+    imported = import_ds_config(doc.data, modules=args.modules, external=args.external,
+                                num_checkpoints=args.num_checkpoints)
+    diagnostics = _in_file_order(_problems(doc, args.file)
+                                 + _located(doc, args.file, imported.findings))
+    _report(diagnostics)
+    if imported.yaml is None or any(d.severity == "error" for d in diagnostics):
         return 1
-    _report([Diagnostic(args.file, None, None, "ignored-key", "warning",
-                        f"`{key}`: {why}", "DeepSpeed would ignore it; it was not imported")
-             for key, why in imported.ignored])
     _out(imported.yaml, args.output)
     return 0
 
 
 def _add_import(sub: Any) -> None:
-    p = sub.add_parser("import", help="print the actcfg policy equivalent to a ds_config.json")
-    p.add_argument("file", metavar="DS_CONFIG")
-    p.add_argument("-o", "--output", metavar="OUT", help="write here instead of stdout")
+    p = sub.add_parser("import", help="print the actcfg policy for what DeepSpeed runs from a "
+                                      "ds_config.json (or a gpt-neox config)")
+    p.add_argument("file", metavar="DS_CONFIG", help="ds_config (JSON or hjson), or a gpt-neox "
+                                                      "config (.yml)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--modules", nargs="+", metavar="NAME",
+                       help="class names (or patterns) of the modules to checkpoint: the "
+                            "ds_config cannot say which they are")
+    which.add_argument("--external", action="store_true",
+                       help="the model calls deepspeed.checkpointing.checkpoint itself "
+                            "(Megatron, gpt-neox): write `checkpoint: {mode: external}`")
+    p.add_argument("--num-checkpoints", type=int, metavar="N",
+                   help="checkpointed calls per step, as the program passes num_checkpoints to "
+                        "configure() itself (Megatron: its --num-layers); needed for contiguous "
+                        "buffers with --external when the file has no number_checkpoints")
+    p.add_argument("-o", "--output", metavar="OUT",
+                   help="write here instead of stdout (never over the input)")
     p.set_defaults(run=_import)
 
 
 # --- verify --------------------------------------------------------------------------------
+
+
+def _refuse_verify(args: argparse.Namespace, code: int, message: str | None,
+                   diagnostics: Sequence[Diagnostic] = ()) -> int:
+    """Report why verify measured nothing, in the format asked for; return `code`."""
+    if args.format == "json":
+        import json
+        from dataclasses import asdict
+
+        status = {1: "invalid", 2: "unreadable" if diagnostics else "usage-error"}[code]
+        body = {"ok": False, "status": status, "message": message,
+                "errors": [asdict(d) for d in diagnostics]}
+        _out(json.dumps(body, indent=2) + "\n")
+        return code
+    if diagnostics:
+        _report(diagnostics)
+    if message is not None:
+        _err(f"actcfg: error: {escape_controls(message)}\n")
+    return code
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -209,11 +367,11 @@ def _verify(args: argparse.Namespace) -> int:
     from actcfg.verify.render import plot_memory, require_plotting
 
     policy, diagnostics = check_file(args.config, backends=(args.backend,) if args.backend else ())
+    if policy is None:  # an invalid policy is 1, as in validate; unreadable 2
+        return _refuse_verify(args, _exit_code(diagnostics) or 1, None, diagnostics)
     _report(diagnostics)
-    if policy is None:
-        return _exit_code(diagnostics) or 1  # an invalid policy is 1, as in validate; unreadable 2
     if args.steps < 1:
-        raise _Usage(f"--steps must be at least 1, got {args.steps}")
+        return _refuse_verify(args, 2, f"--steps must be at least 1, got {args.steps}")
     backend = Backend.parse(args.backend) if args.backend else policy.backend
     try:  # what would stop the run is found before the GPU work, and is a usage error
         factory = load_factory(args.model or DEFAULT_MODEL)
@@ -221,15 +379,19 @@ def _verify(args: argparse.Namespace) -> int:
         if args.plot:
             require_plotting()
     except ActcfgError as e:
-        raise _Usage(str(e)) from None
-    with _process_group(backend):
+        return _refuse_verify(args, 2, str(e))
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(_process_group(backend))
+        except _Usage as e:
+            return _refuse_verify(args, 2, str(e))
         report = verify(factory, policy, steps=args.steps, backend=args.backend)
     _out(RENDERERS[args.format](report))
     if args.plot:
         try:
             plot_memory(report, args.plot)
         except ActcfgError as e:
-            _err(f"actcfg: error: {e}\n")
+            _err(f"actcfg: error: {escape_controls(str(e))}\n")
             # The verdicts are already out: a failed promise (1) must not read as an I/O error (2).
             return 2 if report.ok else 1
     return 0 if report.ok else 1
@@ -323,26 +485,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         atexit.register(gc.freeze)
     try:
         try:
-            args = _parser().parse_args(argv)
-        except SystemExit as e:  # argparse: --help and --version exit 0, usage errors 2
-            return e.code if isinstance(e.code, int) else 2
-        return args.run(args)
-    except _Usage as e:
-        _err(f"actcfg: error: {e}\n")
-        return 2
-    except ActcfgError as e:
-        _err(f"actcfg: error: {e}\n")
-        return 1
-    except KeyboardInterrupt:
-        _err("actcfg: interrupted\n")
-        return 2
+            try:
+                args = _parser().parse_args(argv)
+            except SystemExit as e:  # argparse: --help and --version exit 0, usage errors 2
+                return e.code if isinstance(e.code, int) else 2
+            return args.run(args)
+        except _Usage as e:
+            _err(f"actcfg: error: {escape_controls(str(e))}\n")
+            return 2
+        except ActcfgError as e:
+            _err(f"actcfg: error: {escape_controls(str(e))}\n")
+            return 1
+        except KeyboardInterrupt:
+            _err("actcfg: interrupted\n")
+            return 2
+        except (_OutputFailed, BrokenPipeError):
+            raise
+        except Exception as e:  # last resort: never a traceback
+            what = escape_controls(f"{type(e).__name__}: {e}")
+            _err(f"actcfg: internal error, please report: {what}\n")
+            return 2
     except BrokenPipeError:
         # The reader went away (`| head`): silence the flush at exit, as the Python docs advise.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _silence(sys.stdout)
         return 2
-    except Exception as e:  # last resort: never a traceback
-        _err(f"actcfg: internal error, please report: {type(e).__name__}: {e}\n")
+    except _OutputFailed as e:
+        if e.stream == "standard output":
+            with contextlib.suppress(OSError, _OutputFailed):
+                _err(f"actcfg: error: {e}\n")
+        _silence(sys.stdout)
+        _silence(sys.stderr)
         return 2
+
+
+def _silence(stream: Any) -> None:
+    """Point `stream`'s descriptor at /dev/null, so that the interpreter's flush at exit
+    cannot fail on it a second time (and print a traceback of its own)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Reporters return text; the CLI decides where it goes. Library code never prints.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Literal, Protocol
 
@@ -16,6 +17,7 @@ __all__ = [
     "Reporter",
     "Result",
     "TextReporter",
+    "escape_controls",
 ]
 
 Severity = Literal["error", "warning"]
@@ -36,9 +38,27 @@ class Diagnostic:
     def __str__(self) -> str:
         where = self.file if self.line is None else f"{self.file}:{self.line}:{self.column or 1}"
         hint = f" ({self.hint})" if self.hint else ""
-        line = f"{where}: {self.severity} {self.code}: {self.message}{hint}"
-        # One finding, one line: a key from the file may hold a line break.
-        return line.replace("\r", "\\r").replace("\n", "\\n")
+        return escape_controls(f"{where}: {self.severity} {self.code}: {self.message}{hint}")
+
+
+# What a terminal acts on instead of printing: C0 and C1 controls (an ESC starts a sequence
+# that can move the cursor and rewrite the line above), DEL, line and paragraph separators,
+# and the bidirectional overrides that reorder what is shown (Trojan Source, CVE-2021-42574).
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def escape_controls(text: str) -> str:
+    """`text` with every control character written as an escape (`\\x1b`, `\\n`, `\\u202e`),
+    so that a key from a file can neither break a finding's line nor act on the terminal."""
+
+    def escape(match: re.Match[str]) -> str:
+        char = match.group()
+        if char in _NAMED:
+            return _NAMED[char]
+        return f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}"
+
+    return _CONTROLS.sub(escape, text)
 
 
 @dataclass
@@ -117,12 +137,13 @@ class GithubReporter:
     def render(self, result: Result, strict: bool = False) -> str:
         lines = []
         for d in result.diagnostics:
-            props = [f"file={_escape_property(d.file)}"]
+            props = [f"file={escape_controls(_escape_property(d.file))}"]
             if d.line is not None:
                 props += [f"line={d.line}", f"col={d.column or 1}"]
             props.append(f"title={_escape_property(f'actcfg {d.code}')}")
             hint = f" ({d.hint})" if d.hint else ""
-            lines.append(f"::{d.severity} {','.join(props)}::{_escape_data(d.message + hint)}\n")
+            lines.append(f"::{d.severity} {','.join(props)}::"
+                         f"{escape_controls(_escape_data(d.message + hint))}\n")
         return "".join(lines) + TextReporter().render(result, strict)
 
 

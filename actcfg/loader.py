@@ -21,6 +21,7 @@ from __future__ import annotations
 import codecs
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,7 @@ from yaml.events import StreamEndEvent
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from yaml.parser import Parser
 from yaml.reader import Reader
-from yaml.resolver import BaseResolver
+from yaml.resolver import BaseResolver, Resolver
 from yaml.scanner import Scanner
 
 from actcfg.errors import ConfigLoadError
@@ -44,10 +45,11 @@ __all__ = [
     "MAX_EXPANDED_NODES",
     "Problem",
     "YAML11_BOOLS",
+    "decode_text",
     "kind_of",
     "parse_document",
+    "read_bytes",
     "read_document",
-    "read_json",
 ]
 
 MAX_BYTES = 4 * 2**20
@@ -125,19 +127,24 @@ _StrictResolver.add_implicit_resolver(
 )
 _StrictResolver.add_implicit_resolver(_TAG + "merge", re.compile(r"^<<$"), ["<"])
 
-# What an explicitly tagged scalar (`!!int 12`) must look like: the implicit forms, and
-# for floats also plain integers (`!!float 1`).
-_SCALAR_FORMS = {
-    tag: next(regex for t, regex in _StrictResolver.yaml_implicit_resolvers[first] if t == tag)
-    for tag, first in ((_TAG + "bool", "t"), (_TAG + "int", "1"), (_TAG + "null", "~"))
-}
-_SCALAR_FORMS[_TAG + "float"] = re.compile(
-    "|".join(
-        regex.pattern
-        for t, regex in _StrictResolver.yaml_implicit_resolvers["1"]
-        if t in (_TAG + "float", _TAG + "int")
+def _scalar_forms(resolver: type[BaseResolver]) -> dict[str, re.Pattern[str]]:
+    """What an explicitly tagged scalar (`!!int 12`) must look like under `resolver`: the
+    implicit forms, and for floats also plain integers (`!!float 1`)."""
+
+    def implicit(tag: str, first: str) -> re.Pattern[str]:
+        return next(regex for t, regex in resolver.yaml_implicit_resolvers[first] if t == _TAG + tag)
+
+    forms = {_TAG + tag: implicit(tag, first)
+             for tag, first in (("bool", "t"), ("int", "1"), ("null", "~"))}
+    forms[_TAG + "float"] = re.compile(
+        "|".join(f"(?:{regex.pattern})" for t, regex in resolver.yaml_implicit_resolvers["1"]
+                 if t in (_TAG + "float", _TAG + "int")),
+        re.X,
     )
-)
+    return forms
+
+
+_SCALAR_FORMS = _scalar_forms(_StrictResolver)
 
 
 class _TooComplex(Exception):
@@ -147,17 +154,10 @@ class _TooComplex(Exception):
         self.why = why
 
 
-class _StrictLoader(Reader, Scanner, Parser, Composer, SafeConstructor, _StrictResolver):
-    """A SafeLoader with the strict resolver and a nesting bound while composing."""
+class _BoundedComposer(Composer):
+    """A composer that refuses nesting deeper than MAX_DEPTH (PyYAML recurses per level)."""
 
-    def __init__(self, text: str) -> None:
-        Reader.__init__(self, text)
-        Scanner.__init__(self)
-        Parser.__init__(self)
-        Composer.__init__(self)
-        SafeConstructor.__init__(self)
-        _StrictResolver.__init__(self)
-        self._depth = 0
+    _depth = 0
 
     def compose_node(self, parent: Node | None, index: Any) -> Node:
         self._depth += 1
@@ -169,13 +169,41 @@ class _StrictLoader(Reader, Scanner, Parser, Composer, SafeConstructor, _StrictR
             self._depth -= 1
 
 
+class _StrictLoader(Reader, Scanner, Parser, _BoundedComposer, SafeConstructor, _StrictResolver):
+    """A SafeLoader with the strict resolver and a nesting bound while composing."""
+
+    def __init__(self, text: str) -> None:
+        Reader.__init__(self, text)
+        Scanner.__init__(self)
+        Parser.__init__(self)
+        Composer.__init__(self)
+        SafeConstructor.__init__(self)
+        _StrictResolver.__init__(self)
+
+
+_YAML11_FORMS = _scalar_forms(Resolver)
+
+
+class _Yaml11Loader(Reader, Scanner, Parser, _BoundedComposer, SafeConstructor, Resolver):
+    """PyYAML's own YAML 1.1 reading (`yes` is true, `012` is 10), as programs that call
+    `yaml.load` read their files (gpt-neox's configs), with the same bounds."""
+
+    def __init__(self, text: str) -> None:
+        Reader.__init__(self, text)
+        Scanner.__init__(self)
+        Parser.__init__(self)
+        Composer.__init__(self)
+        SafeConstructor.__init__(self)
+        Resolver.__init__(self)
+
+
 # --- the document ----------------------------------------------------------------------
 
 
 def _scalar_value(node: ScalarNode) -> Any:
     """The Python value of a scalar key node, as the constructor would make it."""
     if node.tag == _TAG + "bool":
-        return node.value.lower() == "true"
+        return node.value.lower() in ("true", "yes", "on", "y")
     if node.tag == _TAG + "null":
         return None
     if node.tag == _TAG + "int":
@@ -242,6 +270,23 @@ class Document:
             node = child
         return _position(key_node if key and key_node is not None else node)
 
+    def keys_at(self, path: tuple[Any, ...]) -> list[tuple[str, Any, int, int]]:
+        """The keys of the mapping at `path` as written: (text, value, line, column) each, in
+        file order; empty when `path` is not a mapping."""
+        node = self.node
+        for part in path:
+            if isinstance(node, MappingNode):
+                node = _child(node, part)[1]
+            elif (isinstance(node, SequenceNode) and isinstance(part, int)
+                  and 0 <= part < len(node.value)):
+                node = node.value[part]
+            else:
+                return []
+        if not isinstance(node, MappingNode):
+            return []
+        return [(key.value, _scalar_value(key), *_position(key))
+                for key, _ in _pairs(node) if isinstance(key, ScalarNode)]
+
     def section(self, at: str | tuple[str, ...] | None) -> Document:
         """The sub-document at dotted key `at`; positions stay those of the whole file."""
         parts = tuple(p for p in at.split(".")) if isinstance(at, str) else tuple(at or ())
@@ -297,7 +342,7 @@ def kind_of(value: Any) -> str:
 # --- checks on the node tree --------------------------------------------------------------
 
 
-def _check_tree(root: Node) -> list[Problem]:
+def _check_tree(root: Node, forms: dict[str, re.Pattern[str]] = _SCALAR_FORMS) -> list[Problem]:
     """Refuse unsafe tags, bad explicit scalars, non-scalar keys and alias bombs; return
     duplicate-key problems. Each node is visited once, however often it is aliased."""
     sizes: dict[int, int] = {}
@@ -324,7 +369,7 @@ def _check_tree(root: Node) -> list[Problem]:
         in_progress.add(ident)
         size = 1
         if isinstance(node, ScalarNode):
-            form = _SCALAR_FORMS.get(node.tag)
+            form = forms.get(node.tag)
             if form is not None and not form.match(node.value):
                 line, column = _position(node)
                 tag = node.tag.replace(_TAG, "!!")
@@ -396,12 +441,16 @@ def _code_point(character: int | str) -> int:
     return character if isinstance(character, int) else ord(character)
 
 
-def parse_document(text: str, name: str) -> Document:
-    """Parse YAML `text` (from file `name`) into a `Document`, or raise `LoadFailure`."""
-    loader: _StrictLoader | None = None
+def parse_document(text: str, name: str, *, yaml11: bool = False) -> Document:
+    """Parse YAML `text` (from file `name`) into a `Document`, or raise `LoadFailure`.
+
+    `yaml11` reads plain scalars as PyYAML's `yaml.safe_load` does (YAML 1.1: `yes` is true),
+    for files written for a program that reads them that way; the default is actcfg's dialect.
+    """
+    loader: _StrictLoader | _Yaml11Loader | None = None
     try:
         try:
-            loader = _StrictLoader(text)  # the reader refuses control characters here
+            loader = (_Yaml11Loader if yaml11 else _StrictLoader)(text)  # refuses control characters
             loader.get_event()  # StreamStartEvent
             if loader.check_event(StreamEndEvent):
                 raise LoadFailure(
@@ -417,7 +466,7 @@ def parse_document(text: str, name: str) -> Document:
                     line,
                     column,
                 )
-            problems = _check_tree(root)
+            problems = _check_tree(root, _YAML11_FORMS if yaml11 else _SCALAR_FORMS)
             data = loader.construct_document(root)
         finally:
             if loader is not None:
@@ -482,7 +531,9 @@ def parse_document(text: str, name: str) -> Document:
     return Document(name, data, root, (), tuple(problems))
 
 
-def _decode(raw: bytes) -> str:
+def decode_text(raw: bytes) -> str:
+    """`raw` as UTF-8 text (a UTF-8 byte-order mark is dropped), or `LoadFailure` naming the
+    encoding it probably is and the position of the first bad byte."""
     for bom, encoding in (
         (codecs.BOM_UTF32_LE, "UTF-32"),
         (codecs.BOM_UTF32_BE, "UTF-32"),
@@ -515,28 +566,59 @@ def _decode(raw: bytes) -> str:
         ) from None
 
 
-def read_document(path: str | os.PathLike[str]) -> Document:
-    """Read and parse the policy file at `path`, or raise `LoadFailure`."""
+_NOT_REGULAR = (
+    (stat.S_ISDIR, "a directory", "name the files inside it"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)",
+     "actcfg reads regular files only (a pipe could block it forever): save the content to a "
+     "file and name that"),
+    (stat.S_ISCHR, "a character device", "name a regular file"),
+    (stat.S_ISBLK, "a block device", "name a regular file"),
+    (stat.S_ISSOCK, "a socket", "name a regular file"),
+)
+
+
+def _refuse_unless_regular(mode: int) -> None:
+    if stat.S_ISREG(mode):
+        return
+    what, hint = "not a regular file", "name a regular file"
+    for test, kind, fix in _NOT_REGULAR:
+        if test(mode):
+            what, hint = kind, fix
+            break
+    raise LoadFailure("file-unreadable", f"this is {what}, not a regular file", hint)
+
+
+def read_bytes(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of the regular file at `path`, or `LoadFailure` (`file-not-found`,
+    `file-unreadable`, `file-too-large`).
+
+    Anything but a regular file is refused before it is read: a FIFO blocks its reader until a
+    writer comes, and a device such as /dev/zero never ends. The path is checked with stat
+    first, then opened without blocking and checked again on the open descriptor, so a file
+    swapped for a FIFO in between cannot hang actcfg either.
+    """
     name = os.fspath(path)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
     try:
-        size = os.stat(name).st_size
-        if os.path.isdir(name):
-            raise IsADirectoryError(21, "Is a directory")
-        if size > MAX_BYTES:
-            raise LoadFailure(
-                "file-too-large",
-                f"the file is {size:,} bytes; actcfg reads policy files up to {MAX_BYTES:,} bytes",
-                "point actcfg at the policy file itself, or its section with --at",
-            )
-        with open(name, "rb") as handle:
-            raw = handle.read(MAX_BYTES + 1)  # a file that grew, or a device such as /dev/zero
+        _refuse_unless_regular(os.stat(name).st_mode)
+        fd = os.open(name, flags | getattr(os, "O_CLOEXEC", 0))
+        try:
+            info = os.fstat(fd)
+            _refuse_unless_regular(info.st_mode)
+            if info.st_size > MAX_BYTES:
+                raise LoadFailure(
+                    "file-too-large",
+                    f"the file is {info.st_size:,} bytes; actcfg reads files up to {MAX_BYTES:,} bytes",
+                    "point actcfg at the policy or config file itself (or its section with --at)",
+                )
+            os.set_blocking(fd, True)
+            with os.fdopen(fd, "rb", closefd=False) as handle:
+                raw = handle.read(MAX_BYTES + 1)  # the file may have grown since fstat
+        finally:
+            os.close(fd)
     except FileNotFoundError:
         raise LoadFailure(
             "file-not-found", "no such file", "check the path; a broken symlink also reads as missing"
-        ) from None
-    except IsADirectoryError:
-        raise LoadFailure(
-            "file-unreadable", "this is a directory, not a file", "name the YAML files inside it"
         ) from None
     except PermissionError:
         raise LoadFailure(
@@ -550,38 +632,12 @@ def read_document(path: str | os.PathLike[str]) -> Document:
         raise LoadFailure(
             "file-too-large",
             f"the file holds more than {MAX_BYTES:,} bytes",
-            "point actcfg at the policy file itself",
+            "point actcfg at the policy or config file itself",
         )
-    return parse_document(_decode(raw), name)
+    return raw
 
 
-def read_json(path: str | os.PathLike[str]) -> Any:
-    """Read the JSON file at `path` (a ds_config), or raise `LoadFailure` with line and column."""
-    import json
-
+def read_document(path: str | os.PathLike[str], *, yaml11: bool = False) -> Document:
+    """Read and parse the YAML file at `path` (see `parse_document`), or raise `LoadFailure`."""
     name = os.fspath(path)
-    try:
-        if os.path.isdir(name):
-            raise IsADirectoryError(21, "Is a directory")
-        with open(name, "rb") as handle:
-            raw = handle.read(MAX_BYTES + 1)
-    except FileNotFoundError:
-        raise LoadFailure("file-not-found", "no such file", "check the path") from None
-    except IsADirectoryError:
-        raise LoadFailure("file-unreadable", "this is a directory, not a file", "name a JSON file") from None
-    except OSError as e:
-        raise LoadFailure(
-            "file-unreadable", f"cannot read the file: {e.strerror or e}", "check the path"
-        ) from None
-    if len(raw) > MAX_BYTES:
-        raise LoadFailure(
-            "file-too-large", f"the file holds more than {MAX_BYTES:,} bytes", "name the ds_config file"
-        )
-    try:
-        return json.loads(_decode(raw))
-    except json.JSONDecodeError as e:
-        raise LoadFailure(
-            "json-syntax", f"invalid JSON: {e.msg}", "fix the JSON at this position", e.lineno, e.colno
-        ) from None
-    except RecursionError:
-        raise LoadFailure("json-syntax", "invalid JSON: nested too deeply", "fix the JSON", 1, 1) from None
+    return parse_document(decode_text(read_bytes(name)), name, yaml11=yaml11)

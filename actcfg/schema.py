@@ -38,6 +38,7 @@ __all__ = [
     "ExternalCheckpoint",
     "Finding",
     "FullCheckpoint",
+    "MODULES_PLACEHOLDER",
     "NoCheckpoint",
     "Policy",
     "SelectiveCheckpoint",
@@ -96,9 +97,17 @@ def parse_size(value: Any) -> int:
             "size_format", "'{value}' is not a whole number of bytes", {"value": value}
         )
     # Integer arithmetic, not float: exact for 1.5GiB, no OverflowError for 400 digits.
+    # A fraction of a byte is rounded down, but a size that is not zero never becomes 0.
     scale = _SIZE_UNITS[unit or "b"]
     whole, _, fraction = number.partition(".")
-    return int(whole) * scale + int(fraction or "0") * scale // 10 ** len(fraction)
+    size = int(whole) * scale + int(fraction or "0") * scale // 10 ** len(fraction)
+    if size == 0 and number.strip("0.") != "":
+        raise PydanticCustomError(
+            "size_under_a_byte",
+            "'{value}' is less than one byte, which would round to 0 (no pinned memory at all)",
+            {"value": value},
+        )
+    return size
 
 
 def format_size(n: int) -> str:
@@ -137,6 +146,10 @@ DEFAULT_SAVE_OPS: tuple[str, ...] = (
     "aten._scaled_dot_product_efficient_attention",
     "aten._scaled_dot_product_cudnn_attention",
 )
+
+MODULES_PLACEHOLDER = "CHANGE_ME"
+"""What `actcfg import` writes for `checkpoint.modules` when the ds_config cannot say which
+modules are checkpointed; a rule refuses it until it is replaced."""
 
 OpName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_.]*$")]
 ModulePattern = Annotated[StrictStr, Field(min_length=1)]
@@ -224,12 +237,24 @@ def check_rules(policy: Policy, backends: tuple[Backend | str, ...] = ()) -> lis
             "`contiguous` packs partitioned activations into one buffer; it needs `partition: true`",
             "set `partition: true`, or remove `contiguous`",
         ))
-    if policy.contiguous and policy.num_checkpoints is None:
+    if policy.contiguous and policy.num_checkpoints is None and ckpt.mode == "external":
+        # With `mode: full` actcfg.apply routes the modules and passes their number; with
+        # `external` the model makes the checkpointed calls, and nothing counts them.
         out.append(Finding(
             "contiguous-needs-num-checkpoints", "error", ("contiguous",),
-            "`contiguous` preallocates one buffer per checkpoint and needs `num_checkpoints` "
-            "(DeepSpeed asserts at configure time, or fails with IndexError in forward)",
-            "set `num_checkpoints` to the number of checkpointed modules per step",
+            "`contiguous` preallocates one buffer per checkpointed call and needs "
+            "`num_checkpoints` with checkpoint.mode external: the model makes the calls, so "
+            "actcfg cannot count them (DeepSpeed asserts at configure time)",
+            "set `num_checkpoints` to the number of checkpointed calls per step (Megatron: "
+            "num_layers; gpt-neox: ceil(num_layers / checkpoint_num_layers))",
+        ))
+    if ckpt.mode in ("full", "selective") and MODULES_PLACEHOLDER in ckpt.modules:
+        out.append(Finding(
+            "placeholder", "error", ("checkpoint", "modules"),
+            f"`{MODULES_PLACEHOLDER}` is the placeholder `actcfg import` writes: a ds_config "
+            "cannot say which modules the model checkpoints",
+            f"replace {MODULES_PLACEHOLDER} with the class names of the modules to checkpoint, "
+            "or write `mode: external` if the model calls deepspeed.checkpointing.checkpoint itself",
         ))
     if policy.num_checkpoints is not None and not policy.contiguous:
         out.append(Finding(
@@ -275,10 +300,18 @@ RuntimeBackend = Annotated[
 """A backend `actcfg.apply` runs; the others (hf, lightning) are translation targets only."""
 
 
+def _whole_number(value: Any) -> Any:
+    # Literal[1] alone takes `true` and `1.0` (both == 1); the JSON Schema's `const: 1` does not.
+    if isinstance(value, (bool, float)):
+        raise PydanticCustomError("literal_error", "Input should be 1", {"expected": "1"})
+    return value
+
+
 class Policy(_Strict):
     """An activation-memory policy: what is recomputed, partitioned and offloaded."""
 
-    version: Literal[1] = Field(description=_DOC["Policy.version"])
+    version: Annotated[Literal[1], BeforeValidator(_whole_number)] = Field(
+        description=_DOC["Policy.version"])
     """Schema version of this file; this actcfg reads version 1."""
 
     backend: RuntimeBackend = Field(Backend.TORCH, description=_DOC["Policy.backend"])
@@ -304,11 +337,12 @@ class Policy(_Strict):
 
     contiguous: StrictBool = Field(False, description=_DOC["Policy.contiguous"])
     """DeepSpeed only: pack partitioned activations into one preallocated buffer
-    (DeepSpeed `contiguous_memory_optimization`); needs `partition` and `num_checkpoints`."""
+    (DeepSpeed `contiguous_memory_optimization`); needs `partition`, and `num_checkpoints`
+    unless `checkpoint.mode` is full (apply then passes the number of modules it routes)."""
 
     num_checkpoints: StrictInt | None = Field(None, ge=1, description=_DOC["Policy.num_checkpoints"])
     """DeepSpeed only: checkpointed calls per step, sizing the contiguous buffers
-    (DeepSpeed `number_checkpoints`)."""
+    (DeepSpeed `number_checkpoints`); unset with `mode: full`: the number of routed modules."""
 
     synchronize: StrictBool = Field(False, description=_DOC["Policy.synchronize"])
     """DeepSpeed only: synchronize the device at every checkpoint boundary

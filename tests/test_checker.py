@@ -123,9 +123,7 @@ def test_rule_findings_are_one_diagnostic_each(tmp_path):
     path = tmp_path / "p.yaml"
     path.write_text("version: 1\nbackend: deepspeed\ncontiguous: true\n")
     _, diagnostics = check_file(path)
-    assert [d.code for d in diagnostics] == [
-        "contiguous-needs-partition", "contiguous-needs-num-checkpoints", "needs-checkpointing",
-    ]
+    assert [d.code for d in diagnostics] == ["contiguous-needs-partition", "needs-checkpointing"]
     assert {(d.line, d.column) for d in diagnostics} == {(3, 13)}
 
 
@@ -209,3 +207,26 @@ def test_top_level_package_load_delegates():
     import actcfg
 
     assert actcfg.load("version: 1\n") == Policy(version=1)
+
+
+@pytest.mark.parametrize(("text", "written", "kind"), [
+    ("~", "~", "null"), ("null", "null", "null"), ("true", "true", "boolean true"),
+    ("1", "1", "integer 1"),
+])
+def test_a_key_that_is_not_a_name_is_named_as_written_where_written(tmp_path, text, written, kind):
+    # Pydantic names such a key by its Python value (`None`, `1` for `true`) at no position.
+    path = tmp_path / "p.yaml"
+    path.write_text(f"version: 1\ncheckpoint:\n  mode: none\n  {text}: 2\n")
+    _, [d] = check_file(path)
+    assert (d.line, d.column, d.code) == (4, 3, "unknown-key")
+    assert d.message == f"unknown key `{written}` under `checkpoint:`: YAML reads it as {kind}, not a name"
+
+
+def test_a_null_module_is_one_wrong_type_not_also_an_empty_list(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("version: 1\ncheckpoint: {mode: full, modules: [~]}\n")
+    _, diagnostics = check_file(path)
+    assert [(d.code, d.message) for d in diagnostics] == [
+        ("wrong-type", "`checkpoint.modules.0` must be a string, got null")]
+    path.write_text("version: 1\ncheckpoint: {mode: full, modules: []}\n")
+    assert [d.code for d in check_file(path)[1]] == ["out-of-range"]

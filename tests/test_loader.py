@@ -10,8 +10,8 @@ from actcfg.loader import (
     MAX_BYTES,
     LoadFailure,
     parse_document,
+    read_bytes,
     read_document,
-    read_json,
 )
 
 
@@ -160,14 +160,44 @@ def test_read_file_errors(tmp_path):
     assert failure.code == "file-unreadable" and "symbolic links" in failure.message
 
 
-def test_read_json_positions(tmp_path):
-    path = tmp_path / "ds.json"
-    path.write_text('{"a": 1,\n "b": }\n')
-    with pytest.raises(LoadFailure) as info:
-        read_json(path)
-    assert (info.value.code, info.value.line, info.value.column) == ("json-syntax", 2, 7)
-    path.write_text('{"a": [1]}')
-    assert read_json(path) == {"a": [1]}
+@pytest.mark.parametrize("kind", ["fifo", "directory", "device"])
+def test_anything_but_a_regular_file_is_refused_before_it_is_read(tmp_path, kind):
+    # A FIFO with no writer would block open() and read() forever; /dev/zero never ends.
+    import os
+    import threading
+
+    if kind == "fifo":
+        path = tmp_path / "pipe.yaml"
+        os.mkfifo(path)
+    elif kind == "directory":
+        path = tmp_path
+    else:
+        path = "/dev/zero"
+        if not os.path.exists(path):
+            pytest.skip("no /dev/zero")
+    outcome: list[LoadFailure] = []
+    reader = threading.Thread(target=lambda: outcome.append(_read_fail(path)), daemon=True)
+    reader.start()
+    reader.join(5)
+    assert not reader.is_alive(), "read_document blocked"
+    [failure] = outcome
+    what = {"fifo": "a FIFO (named pipe)", "directory": "a directory", "device": "a character device"}
+    assert (failure.code, failure.message) == ("file-unreadable", f"this is {what[kind]}, not a regular file")
+
+
+def test_read_bytes_returns_the_file(tmp_path):
+    path = tmp_path / "f.json"
+    path.write_bytes(b'{"a": 1}')
+    assert read_bytes(path) == b'{"a": 1}'
+
+
+def test_yaml11_reads_as_pyyaml_does_and_keys_are_listed_as_written():
+    doc = parse_document("a: yes\nb: 012\n~: 1\ntrue: 2\n", "f.yml", yaml11=True)
+    assert doc.data == {"a": True, "b": 10, None: 1, True: 2}
+    assert doc.keys_at(()) == [("a", "a", 1, 1), ("b", "b", 2, 1), ("~", None, 3, 1), ("true", True, 4, 1)]
+    strict = parse_document("a: yes\nb: 012\n", "f.yaml")
+    assert strict.data == {"a": "yes", "b": "012"}
+    assert strict.keys_at(("a",)) == [] and strict.keys_at(("missing",)) == []
 
 
 def test_explicit_standard_tags_are_plain_data():

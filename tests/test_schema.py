@@ -95,6 +95,24 @@ def test_parse_size_refusals(value, kind):
     assert info.value.type == kind
 
 
+@pytest.mark.parametrize("text", ["0.0000000001KiB", "0.0004KB", "0.0000009MB"])
+def test_a_size_under_one_byte_is_refused_not_rounded_to_0(text):
+    with pytest.raises(Exception) as info:
+        parse_size(text)
+    assert info.value.type == "size_under_a_byte"
+    assert str(info.value) == f"'{text}' is less than one byte, which would round to 0 (no pinned memory at all)"
+    assert parse_size("0.0KiB") == 0 and parse_size("0.001KB") == 1
+
+
+@pytest.mark.parametrize("value", [True, 1.0, "1"])
+def test_version_is_the_integer_1(value):
+    # Literal[1] alone took `true` and `1.0`, both == 1 in Python.
+    assert _errors({"version": value}) == [
+        {"type": "literal_error", "loc": ("version",), "msg": "Input should be 1",
+         **({"ctx": {"expected": "1"}})}
+    ]
+
+
 def test_format_size_round_trips():
     for n in (0, 1, 1023, 2**10, 3 * 2**20, 16 * 2**30, 5 * 2**40):
         assert parse_size(format_size(n)) == n
@@ -111,17 +129,32 @@ def _rule_error(data, **context) -> tuple[Finding, ...]:
     return error["ctx"]["findings"]
 
 
-def test_contiguous_needs_partition_and_num_checkpoints():
+def test_contiguous_needs_partition():
     findings = _rule_error({"version": 1, "backend": "deepspeed", "checkpoint": FULL, "contiguous": True})
     assert findings == (
         Finding("contiguous-needs-partition", "error", ("contiguous",),
                 "`contiguous` packs partitioned activations into one buffer; it needs `partition: true`",
                 "set `partition: true`, or remove `contiguous`"),
-        Finding("contiguous-needs-num-checkpoints", "error", ("contiguous",),
-                "`contiguous` preallocates one buffer per checkpoint and needs `num_checkpoints` "
-                "(DeepSpeed asserts at configure time, or fails with IndexError in forward)",
-                "set `num_checkpoints` to the number of checkpointed modules per step"),
     )
+
+
+def test_contiguous_with_routed_modules_leaves_the_count_to_apply():
+    """With `mode: full` apply routes the modules and knows how many: no num_checkpoints needed."""
+    policy = Policy.model_validate({"version": 1, "backend": "deepspeed", "checkpoint": FULL,
+                                    "partition": True, "contiguous": True})
+    assert policy.num_checkpoints is None
+    assert [f.code for f in check_rules(policy)] == ["partition-needs-model-parallel"]
+
+
+def test_the_import_placeholder_is_refused_with_what_to_write_instead():
+    [f] = _rule_error({"version": 1, "backend": "deepspeed",
+                       "checkpoint": {"mode": "full", "modules": ["Block", "CHANGE_ME"]}})
+    assert f == Finding(
+        "placeholder", "error", ("checkpoint", "modules"),
+        "`CHANGE_ME` is the placeholder `actcfg import` writes: a ds_config cannot say which "
+        "modules the model checkpoints",
+        "replace CHANGE_ME with the class names of the modules to checkpoint, or write "
+        "`mode: external` if the model calls deepspeed.checkpointing.checkpoint itself")
 
 
 def test_selective_is_torch_only():
@@ -205,7 +238,7 @@ def test_schema_accepts_every_config(path):
 
 @pytest.mark.parametrize(
     "name", ["seed-checkpoint-in-cpu.yaml", "yaml11-boolean.yaml", "quoted-false.yaml", "bad-mode.yaml",
-             "missing-version.yaml", "wrong-level.yaml", "bad-size.yaml"],
+             "missing-version.yaml", "wrong-level.yaml", "bad-size.yaml", "version-true.yaml"],
 )
 def test_schema_rejects_invalid_files(name):
     data = read_document(DATA / "invalid" / name).data

@@ -14,7 +14,14 @@ from actcfg.backends.table import Key, field_value
 from actcfg.schema import Policy
 from actcfg.translate._refuse import refuse_inexpressible
 
-__all__ = ["CHECKPOINT_FUNCTION", "SECTION", "to_deepspeed"]
+__all__ = ["CHECKPOINT_FUNCTION", "FILL_IN", "NUM_CHECKPOINTS_FROM_ROUTE", "SECTION", "to_deepspeed"]
+
+FILL_IN = "fill_in"
+"""Output key: what the runtime fills in that the policy leaves unset, and from where."""
+NUM_CHECKPOINTS_FROM_ROUTE = (
+    "the number of modules the route selects: actcfg.apply passes it to configure(); "
+    "passed as null, deepspeed.checkpointing.configure asserts"
+)
 
 
 def to_deepspeed(policy: Policy) -> dict[str, Any]:
@@ -38,4 +45,8 @@ def to_deepspeed(policy: Policy) -> dict[str, Any]:
         route = {"function": CHECKPOINT_FUNCTION, "called_by": "the model"}
     elif ckpt.mode != "none":
         route = {"function": CHECKPOINT_FUNCTION, "modules": list(ckpt.modules), "every": ckpt.every}
-    return {SECTION: section, "configure_kwargs": kwargs, "route": route}
+    out: dict[str, Any] = {SECTION: section, "configure_kwargs": kwargs, "route": route}
+    if policy.contiguous and policy.num_checkpoints is None:
+        # The schema allows this only when the runtime routes the modules: it knows their count.
+        out[FILL_IN] = {"num_checkpoints": NUM_CHECKPOINTS_FROM_ROUTE}
+    return out
