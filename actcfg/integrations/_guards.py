@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from actcfg.backends import Backend
+from actcfg.backends.deepspeed import SECTION, TABLE
+from actcfg.backends.table import Key
 from actcfg.errors import PolicyApplyError, TranslationError
-from actcfg.schema import Backend, Policy
+from actcfg.schema import Policy
 from actcfg.translate import to_deepspeed
-from actcfg.translate._table import Key
-from actcfg.translate.deepspeed import SECTION, TABLE
 
 __all__ = [
     "EXTERNAL_FIX",
@@ -39,13 +40,7 @@ def backend_for(policy: Policy, backend: Backend | str | None, trainer_runs_deep
     sets, else deepspeed when the trainer runs DeepSpeed (actcfg then configures DeepSpeed in
     the trainer's place), else the policy's default."""
     if backend is not None:
-        try:
-            return Backend(backend)
-        except ValueError:
-            raise PolicyApplyError(
-                f"backend={backend!r} is not a backend: use one of "
-                + ", ".join(repr(b.value) for b in Backend)
-            ) from None
+        return Backend.parse(backend)
     if "backend" not in policy.model_fields_set and trainer_runs_deepspeed:
         return Backend.DEEPSPEED
     return policy.backend

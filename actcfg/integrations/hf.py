@@ -22,6 +22,8 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import actcfg
+from actcfg.backends import Backend
+from actcfg.backends.deepspeed import SECTION
 from actcfg.errors import PolicyApplyError
 from actcfg.integrations._guards import (
     backend_for,
@@ -31,8 +33,7 @@ from actcfg.integrations._guards import (
     refuse_idle_offload,
     refuse_stacked,
 )
-from actcfg.schema import Backend, Policy
-from actcfg.translate.deepspeed import SECTION
+from actcfg.schema import Policy
 
 __all__ = ["ActivationPolicyCallback"]
 

@@ -33,6 +33,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.strategies import DeepSpeedStrategy
 
 import actcfg
+from actcfg.backends import Backend
+from actcfg.backends.deepspeed import SECTION, TABLE
+from actcfg.backends.table import Key
 from actcfg.integrations._guards import (
     backend_for,
     hf_checkpointed_modules,
@@ -41,9 +44,7 @@ from actcfg.integrations._guards import (
     refuse_idle_offload,
     refuse_stacked,
 )
-from actcfg.schema import Backend, Policy
-from actcfg.translate._table import Key
-from actcfg.translate.deepspeed import SECTION, TABLE
+from actcfg.schema import Policy
 
 __all__ = ["ActivationPolicy"]
 
