@@ -399,22 +399,31 @@ class DeepSpeedSpy(pl.Callback):
 def test_gpu_deepspeed_strategy_gets_all_six_settings_and_holds_memory_flat():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    module = GpuBlocks()
-    spy = DeepSpeedSpy()
-    callback = ActivationPolicy(DS_POLICY)
-    pl.Trainer(accelerator="cuda", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-               enable_progress_bar=False, enable_model_summary=False,
-               strategy=DeepSpeedStrategy(stage=0, cpu_checkpointing=True,
-                                          synchronize_checkpoint_boundary=True),
-               callbacks=[callback, spy]).fit(module, gpu_loader())
-    # Lightning alone would leave synchronize off (it drops synchronize_checkpoint_boundary).
+    def fit(*callbacks: pl.Callback) -> GpuBlocks:
+        module = GpuBlocks()
+        pl.Trainer(accelerator="cuda", devices=1, max_steps=2, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   strategy=DeepSpeedStrategy(stage=0, cpu_checkpointing=True,
+                                              synchronize_checkpoint_boundary=True),
+                   callbacks=list(callbacks)).fit(module, gpu_loader())
+        return module
+
     want = {"partition_activations": False, "contiguous_checkpointing": False, "num_checkpoints": None,
             "checkpoint_in_cpu": True, "synchronize": True, "profile": False, "is_configured": True}
+    lightning_alone = DeepSpeedSpy()
+    fit(lightning_alone)
+    # Lightning 2.6.6 alone drops synchronize_checkpoint_boundary on its way to configure().
+    assert lightning_alone.seen == [{**want, "synchronize": False}] * 3
+    spy = DeepSpeedSpy()
+    module = fit(ActivationPolicy(DS_POLICY), spy)
     assert spy.seen == [want] * 3
-    last = module.held[-GPU_BLOCKS:]
+    last = module.held[-GPU_BLOCKS:]  # DeepSpeed recomputes through forward(), not the hooks
     one_input = last[0][1]
     growth = [b[0] - a[0] for a, b in zip(last, last[1:])]
-    assert all(abs(g) < one_input // 10 for g in growth[2:]), growth
+    print(f"growth per block, one input {one_input}: DeepSpeedStrategy + policy {growth}")
+    # DeepSpeed's offload engine keeps the newest inputs on the GPU while their copies run:
+    # the first blocks add one input each, the rest nothing.
+    assert all(abs(g) < one_input // 10 for g in growth[3:]), growth
 
 
 @pytest.mark.cuda
