@@ -173,6 +173,8 @@ def _add_translate(sub: Any) -> None:
 
 
 def _import(args: argparse.Namespace) -> int:
+    if args.backend in (Backend.HF, Backend.LIGHTNING):
+        return _import_trainer(args)
     from actcfg.translate import import_ds_config
 
     ds_config, problems = _read_json(args.file)
@@ -192,9 +194,52 @@ def _import(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_trainer(args: argparse.Namespace) -> int:
+    """`actcfg import --backend hf|lightning`: TrainingArguments or DeepSpeedStrategy keywords,
+    as YAML or JSON, back to a policy."""
+    from actcfg.translate.trainer_import import import_strategy_keywords, import_training_arguments
+
+    hf = args.backend == Backend.HF
+    trainer = "transformers" if hf else "Lightning"
+    what = "TrainingArguments keywords" if hf else "DeepSpeedStrategy keywords"
+    try:
+        doc = read_document(args.file)
+    except LoadFailure as e:
+        failure = [failure_diagnostic(args.file, e)]
+        if e.code == "yaml-not-mapping":  # the loader's hint speaks of policies
+            failure = [Diagnostic(args.file, e.line, e.column, e.code, "error",
+                                  f"{what} are a mapping of `name: value` lines",
+                                  f"write the {what} as a YAML or JSON mapping")]
+        _report(failure)
+        return _exit_code(failure)
+    try:
+        imported = (import_training_arguments if hf else import_strategy_keywords)(doc.data)
+    except TranslationError as e:
+        _report([Diagnostic(args.file, None, None, "unsupported-on-backend", "error", str(e),
+                            f"pass {what}")])
+        return 1
+
+    def where(key: str) -> tuple[int | None, int | None]:
+        return doc.locate(tuple(key.split(".")), key=True) if key.split(".")[0] in doc.data else (None, None)
+
+    _report([Diagnostic(args.file, *where(key), "ignored-key", "warning", f"`{key}`: {why}",
+                        "not imported")
+             for key, why in imported.ignored]
+            + [Diagnostic(args.file, None, None, "dropped-by-backend", "warning", f"`{key}`: {why}",
+                          f"imported: the policy keeps what {trainer} would lose")
+               for key, why in imported.dropped])
+    _out(imported.yaml, args.output)
+    return 0
+
+
 def _add_import(sub: Any) -> None:
-    p = sub.add_parser("import", help="print the actcfg policy equivalent to a ds_config.json")
-    p.add_argument("file", metavar="DS_CONFIG")
+    p = sub.add_parser("import", help="print the actcfg policy equivalent to a ds_config.json, "
+                                      "TrainingArguments or DeepSpeedStrategy keywords")
+    p.add_argument("file", metavar="FILE",
+                   help="a ds_config.json; with --backend hf, TrainingArguments keywords (YAML or "
+                        "JSON); with --backend lightning, DeepSpeedStrategy keywords (YAML or JSON)")
+    p.add_argument("--backend", choices=[Backend.DEEPSPEED.value, Backend.HF.value, Backend.LIGHTNING.value],
+                   default=Backend.DEEPSPEED.value, help="what FILE holds (default: deepspeed)")
     p.add_argument("-o", "--output", metavar="OUT", help="write here instead of stdout")
     p.set_defaults(run=_import)
 

@@ -32,11 +32,19 @@ TABLE: dict[str, Entry] = {
     ),
     "checkpoint.modules": RoutedBy(
         "transformers", "(every GradientCheckpointingLayer)",
-        rejects=(Rejection(
-            lambda patterns: any("." in p for p in patterns), "not-in-hf",
-            "`checkpoint.modules` names qualified module names; transformers checkpoints every "
-            "decoder layer of the model (its GradientCheckpointingLayer subclasses) and cannot "
-            "choose by name", f"name the decoder layer class, such as `[LlamaDecoderLayer]`, {_CALLBACK}"),),
+        rejects=(
+            Rejection(
+                lambda patterns: any("." in p for p in patterns), "not-in-hf",
+                "`checkpoint.modules` names qualified module names; transformers checkpoints every "
+                "decoder layer of the model (its GradientCheckpointingLayer subclasses) and cannot "
+                "choose by name", f"name the decoder layer class, such as `[LlamaDecoderLayer]`, {_CALLBACK}"),
+            Rejection(
+                lambda patterns: any(c in p for p in patterns for c in "*?["), "not-in-hf",
+                "`checkpoint.modules` uses a wildcard; transformers checkpoints every decoder layer "
+                "of the model (its GradientCheckpointingLayer subclasses), whatever a pattern "
+                "matches, so only the layer class's own name says the same",
+                f"name the decoder layer class, such as `[LlamaDecoderLayer]`, {_CALLBACK}"),
+        ),
     ),
     "checkpoint.every": Unsupported(
         "not-in-hf",
