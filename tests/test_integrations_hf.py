@@ -191,6 +191,21 @@ def test_a_second_train_after_a_failed_one_starts_from_a_clean_model(tmp_path):
     callback.remove()  # a no-op now
 
 
+def test_checkpointed_layers_that_no_gradient_reaches_are_refused_after_the_first_step(tmp_path):
+    model = tiny_llama()
+    model.model.requires_grad_(False)  # only lm_head trains: backward never enters the layers
+    steps = Spy()
+    want = (
+        "checkpoint: a training step ran 3 checkpointed forwards and backward recomputed none of "
+        "them, so checkpointing saved nothing: no gradient flows through `model.layers.0`, "
+        "`model.layers.1`, `model.layers.2` (frozen, or outside the loss); narrow "
+        "checkpoint.modules to the modules that train"
+    )
+    with pytest.raises(PolicyApplyError, match=rf"^{re.escape(want)}$"):
+        train(tmp_path, model, ActivationPolicyCallback(FULL), steps)
+    assert len(steps.steps) == 1
+
+
 # --- refusals before the first step ------------------------------------------------------
 
 
@@ -343,6 +358,24 @@ def test_deepspeed_globals_equal_the_policy_during_training(tmp_path, hf_deepspe
     for name, p in model.named_parameters():
         assert torch.allclose(p, want_weights[name], rtol=1e-6, atol=1e-7), name
     assert ds_globals(hf_deepspeed) == DS_DEFAULTS  # removed at train end
+
+
+@pytest.mark.deepspeed
+def test_a_configure_call_after_actcfgs_is_caught_after_the_first_step(tmp_path, hf_deepspeed):
+    class Reconfigure(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            hf_deepspeed.configure(None, synchronize=False)
+
+    want = (
+        "DeepSpeed's activation-checkpointing settings after the first step differ from what "
+        "actcfg configured (deepspeed.checkpointing.configure was called again after it, which "
+        "resets all six settings): synchronize: policy True, DeepSpeed has False; profile: policy "
+        "True, DeepSpeed has False; remove the other configure() call, or the trainer's "
+        "activation_checkpointing settings"
+    )
+    with pytest.raises(PolicyApplyError, match=rf"^{re.escape(want)}$"):
+        train(tmp_path, tiny_llama(), ActivationPolicyCallback(DS_POLICY), Reconfigure(),
+              deepspeed=ds_config())
 
 
 @pytest.mark.deepspeed

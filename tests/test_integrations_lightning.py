@@ -192,6 +192,30 @@ def test_layers_built_in_configure_model_are_checkpointed():
     assert spy.steps[0]["applied"].checkpointed == tuple(f"model.blocks.{i}" for i in range(BLOCKS))
 
 
+def test_checkpointed_blocks_that_no_gradient_reaches_are_refused_after_the_first_step():
+    class FrozenBlocks(Blocks):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model.requires_grad_(False)
+            self.head = nn.Linear(32, 1)
+
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            return self.head(self.model(x)).square().mean()
+
+    module = FrozenBlocks()
+    before = module_state(module)
+    want = (
+        "checkpoint: a training step ran 3 checkpointed forwards and backward recomputed none of "
+        "them, so checkpointing saved nothing: no gradient flows through `model.blocks.0`, "
+        "`model.blocks.1`, `model.blocks.2` (frozen, or outside the loss); narrow "
+        "checkpoint.modules to the modules that train"
+    )
+    with pytest.raises(PolicyApplyError, match=rf"^{re.escape(want)}$"):
+        trainer(ActivationPolicy(FULL)).fit(module, loader())
+    assert module_state(module) == before  # removed by on_exception
+
+
 # --- refusals before training ------------------------------------------------------------
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "refuse_disagreeing_section",
     "refuse_drifted_deepspeed_state",
     "refuse_idle_offload",
+    "refuse_no_recompute",
     "refuse_stacked",
 ]
 
@@ -130,6 +131,21 @@ def refuse_idle_offload(applied: Any, why: str) -> None:
     )
 
 
+def refuse_no_recompute(applied: Any) -> None:
+    """PolicyApplyError when a training step ran checkpointed forwards and backward recomputed
+    none of them (the counters stay still under torch.compile, where there are no calls)."""
+    counters = getattr(applied, "counters", None)
+    if counters is None or not applied.checkpointed or counters.calls == 0 or counters.recomputes:
+        return
+    raise PolicyApplyError(
+        f"checkpoint: a training step ran {counters.calls} checkpointed forwards and backward "
+        "recomputed none of them, so checkpointing saved nothing: no gradient flows through "
+        f"{', '.join(f'`{n}`' for n in applied.checkpointed[:3])}"
+        f"{', ...' if len(applied.checkpointed) > 3 else ''} (frozen, or outside the loss); "
+        "narrow checkpoint.modules to the modules that train"
+    )
+
+
 def refuse_drifted_deepspeed_state(applied: Any, when: str) -> None:
     """PolicyApplyError when DeepSpeed's activation-checkpointing globals no longer hold what
     actcfg configured (someone called deepspeed.checkpointing.configure after it)."""
@@ -137,9 +153,9 @@ def refuse_drifted_deepspeed_state(applied: Any, when: str) -> None:
         return
     from deepspeed.runtime.activation_checkpointing import checkpointing
 
-    from actcfg._deepspeed_route import read_back
+    from actcfg._apply_deepspeed import read_back
 
-    wanted = applied.deepspeed["configure_kwargs"]
+    wanted = applied.deepspeed.configure_kwargs
     state = read_back(checkpointing)
     differ = [f"{k}: policy {wanted[k]!r}, DeepSpeed has {state[k]!r}"
               for k in wanted if not _same(state[k], wanted[k])]

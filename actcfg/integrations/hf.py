@@ -31,6 +31,7 @@ from actcfg.integrations._guards import (
     refuse_disagreeing_section,
     refuse_drifted_deepspeed_state,
     refuse_idle_offload,
+    refuse_no_recompute,
     refuse_stacked,
 )
 from actcfg.schema import Policy
@@ -79,6 +80,7 @@ class ActivationPolicyCallback(TrainerCallback):
             return
         self._checked_step = True
         refuse_idle_offload(self.applied, "Trainer did not call it")
+        refuse_no_recompute(self.applied)
         refuse_drifted_deepspeed_state(self.applied, "after the first step")
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,

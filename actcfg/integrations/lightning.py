@@ -42,6 +42,7 @@ from actcfg.integrations._guards import (
     refuse_disagreeing_section,
     refuse_drifted_deepspeed_state,
     refuse_idle_offload,
+    refuse_no_recompute,
     refuse_stacked,
 )
 from actcfg.schema import Policy
@@ -120,6 +121,7 @@ class ActivationPolicy(pl.Callback):
         refuse_idle_offload(
             self.applied, "training_step did not call it: call self(...) in training_step, or "
             "apply the policy with actcfg.apply to the submodule training_step calls")
+        refuse_no_recompute(self.applied)
         refuse_drifted_deepspeed_state(self.applied, "after the first step")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
