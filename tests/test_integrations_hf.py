@@ -201,9 +201,12 @@ def test_checkpointed_layers_that_no_gradient_reaches_are_refused_after_the_firs
         "`model.layers.1`, `model.layers.2` (frozen, or outside the loss); narrow "
         "checkpoint.modules to the modules that train"
     )
+    before = module_state(model)
+    callback = ActivationPolicyCallback(FULL)
     with pytest.raises(PolicyApplyError, match=rf"^{re.escape(want)}$"):
-        train(tmp_path, model, ActivationPolicyCallback(FULL), steps)
+        train(tmp_path, model, callback, steps)
     assert len(steps.steps) == 1
+    assert callback.applied is None and module_state(model) == before  # removed before raising
 
 
 # --- refusals before the first step ------------------------------------------------------
@@ -373,9 +376,10 @@ def test_a_configure_call_after_actcfgs_is_caught_after_the_first_step(tmp_path,
         "True, DeepSpeed has False; remove the other configure() call, or the trainer's "
         "activation_checkpointing settings"
     )
+    callback = ActivationPolicyCallback(DS_POLICY)
     with pytest.raises(PolicyApplyError, match=rf"^{re.escape(want)}$"):
-        train(tmp_path, tiny_llama(), ActivationPolicyCallback(DS_POLICY), Reconfigure(),
-              deepspeed=ds_config())
+        train(tmp_path, tiny_llama(), callback, Reconfigure(), deepspeed=ds_config())
+    assert callback.applied is None
 
 
 @pytest.mark.deepspeed

@@ -79,9 +79,13 @@ class ActivationPolicyCallback(TrainerCallback):
         if self._checked_step or self.applied is None:
             return
         self._checked_step = True
-        refuse_idle_offload(self.applied, "Trainer did not call it")
-        refuse_no_recompute(self.applied)
-        refuse_drifted_deepspeed_state(self.applied, "after the first step")
+        try:
+            refuse_idle_offload(self.applied, "Trainer did not call it")
+            refuse_no_recompute(self.applied)
+            refuse_drifted_deepspeed_state(self.applied, "after the first step")
+        except PolicyApplyError:
+            self.remove()  # Trainer has no exception hook: take the policy off before raising
+            raise
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
