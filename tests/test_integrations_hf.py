@@ -321,6 +321,32 @@ def test_external_mode_without_hf_checkpointing_is_refused(tmp_path):
         train(tmp_path, tiny_llama(), ActivationPolicyCallback(EXTERNAL))
 
 
+def test_external_mode_refuses_a_second_offload_by_transformers(tmp_path):
+    kwargs = "activation_checkpointing_kwargs" if NEW_NAMES else "gradient_checkpointing_kwargs"
+    want = (
+        "TrainingArguments(gradient_checkpointing_kwargs={'offload': True}) and the actcfg policy's "
+        "cpu_checkpointing would both offload the checkpointed inputs: remove offload from "
+        "gradient_checkpointing_kwargs (actcfg offloads around HF's checkpointing), or set "
+        "`cpu_checkpointing: false`"
+    )
+    with pytest.raises(PolicyApplyError, match=rf"^{re.escape(want)}$"):
+        train(tmp_path, tiny_llama(), ActivationPolicyCallback(EXTERNAL + "cpu_checkpointing: true\n"),
+              **HF_CHECKPOINTING, **{kwargs: {"offload": True}})
+
+
+def test_external_mode_with_backend_deepspeed_is_refused_when_hf_checkpoints(tmp_path):
+    want = (
+        "the actcfg policy's `checkpoint: {mode: external}` with backend deepspeed configures "
+        "DeepSpeed's activation checkpointing, but HF's own checkpointing calls "
+        "torch.utils.checkpoint, which ignores it: pass backend='torch' to ActivationPolicyCallback, "
+        "or write `checkpoint: {mode: full, modules: [...]}` so actcfg routes the layers through "
+        "deepspeed.checkpointing.checkpoint"
+    )
+    with pytest.raises(PolicyApplyError, match=rf"^{re.escape(want)}$"):
+        train(tmp_path, tiny_llama(), ActivationPolicyCallback(EXTERNAL, backend="deepspeed"),
+              **HF_CHECKPOINTING)
+
+
 # --- Hugging Face's DeepSpeed integration (DeepSpeed's CPU accelerator) ------------------
 
 DS_POLICY = ("version: 1\nbackend: deepspeed\ncheckpoint: {mode: full, modules: [LlamaDecoderLayer]}\n"

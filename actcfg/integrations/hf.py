@@ -24,6 +24,8 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 import actcfg
 from actcfg.backends import Backend
 from actcfg.backends.deepspeed import SECTION
+from actcfg.backends.hf import ARGUMENT, KWARGS, OLD_NAMES
+from actcfg.backends.hf import TABLE as HF_TABLE
 from actcfg.errors import PolicyApplyError
 from actcfg.integrations._guards import (
     backend_for,
@@ -38,11 +40,10 @@ from actcfg.schema import Policy
 
 __all__ = ["ActivationPolicyCallback"]
 
-_GC = "gradient_checkpointing"
-_GC_KWARGS = "gradient_checkpointing_kwargs"
-# transformers 5 renamed both (the old names stay as mirrored aliases until v6).
-_AC = "activation_checkpointing"
-_AC_KWARGS = "activation_checkpointing_kwargs"
+_AC, _AC_KWARGS = ARGUMENT, KWARGS  # transformers 5.24's names
+_GC, _GC_KWARGS = OLD_NAMES[ARGUMENT], OLD_NAMES[KWARGS]  # the names before (5.17 has only these)
+# The key of the kwargs that turns on transformers' own offload, from the hf table.
+_OFFLOAD = HF_TABLE["cpu_checkpointing"].key.removeprefix(f"{KWARGS}.")
 
 
 class ActivationPolicyCallback(TrainerCallback):
@@ -120,11 +121,11 @@ class ActivationPolicyCallback(TrainerCallback):
                     f"{_GC}=True, or write `checkpoint: {{mode: full, modules: [...]}}`"
                 )
             hf_kwargs = getattr(args, _AC_KWARGS, None) or getattr(args, _GC_KWARGS, None) or {}
-            if self.policy.cpu_checkpointing and hf_kwargs.get("offload"):
+            if self.policy.cpu_checkpointing and hf_kwargs.get(_OFFLOAD):
                 raise PolicyApplyError(
-                    f"TrainingArguments({_GC}_kwargs={{'offload': True}}) and the actcfg policy's "
-                    "cpu_checkpointing would both offload the checkpointed inputs: remove offload "
-                    f"from {_GC}_kwargs (actcfg offloads around HF's checkpointing), or set "
+                    f"TrainingArguments({_GC_KWARGS}={{'{_OFFLOAD}': True}}) and the actcfg policy's "
+                    f"cpu_checkpointing would both offload the checkpointed inputs: remove {_OFFLOAD} "
+                    f"from {_GC_KWARGS} (actcfg offloads around HF's checkpointing), or set "
                     "`cpu_checkpointing: false`"
                 )
             if backend is Backend.DEEPSPEED and layers:

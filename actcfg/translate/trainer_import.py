@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from actcfg.backends import Backend
 from actcfg.backends.deepspeed import SECTION
 from actcfg.backends.deepspeed import TABLE as DS_TABLE
-from actcfg.backends.hf import ARGUMENT, KWARGS
+from actcfg.backends.hf import ARGUMENT, KWARGS, OLD_NAMES
 from actcfg.backends.hf import TABLE as HF_TABLE
 from actcfg.backends.lightning import CONFIG_SECTION
 from actcfg.backends.lightning import TABLE as LIGHTNING_TABLE
@@ -29,8 +29,6 @@ from actcfg.translate.ds_config import ALIASES, MODULES_PLACEHOLDER, ImportResul
 
 __all__ = ["TrainerImport", "import_strategy_keywords", "import_training_arguments"]
 
-# transformers' deprecated names of its two keywords (mirrored until v6; the new one wins when set).
-_OLD_NAME = {ARGUMENT: "gradient_checkpointing", KWARGS: "gradient_checkpointing_kwargs"}
 # Keys of activation_checkpointing_kwargs that transformers itself takes out before calling
 # torch.utils.checkpoint (trainer.py); the rest go to torch.
 _EVERY_N = "every_n_layers"
@@ -83,7 +81,7 @@ def _finish(lines: list[str], ignored: list[tuple[str, str]], backend: Backend) 
 
 def _hf_value(data: dict[str, Any], name: str) -> tuple[str, Any]:
     """(the key used, its value): the new name when set, else its deprecated alias."""
-    old = _OLD_NAME[name]
+    old = OLD_NAMES[name]
     if data.get(name) is None and data.get(old) is not None:
         return old, data[old]
     return name, data.get(name)
@@ -96,7 +94,7 @@ def import_training_arguments(data: Any) -> TrainerImport:
         raise TranslationError("TrainingArguments", Backend.HF.value,
                                f"TrainingArguments keywords are a mapping, got {type(data).__name__}")
     ignored: list[tuple[str, str]] = []
-    known = [ARGUMENT, KWARGS, *_OLD_NAME.values()]
+    known = [ARGUMENT, KWARGS, *OLD_NAMES.values()]
     for key in data:
         if _near(key, known):
             ignored.append((key, f"not a TrainingArguments keyword (TrainingArguments(...) raises "
