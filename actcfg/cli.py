@@ -297,6 +297,8 @@ def _add_translate(sub: Any) -> None:
 
 
 def _import(args: argparse.Namespace) -> int:
+    if args.backend in (Backend.HF, Backend.LIGHTNING):
+        return _import_trainer(args)
     from actcfg.translate import import_ds_config
 
     _refuse_output_over(args.output, [args.file])
@@ -317,11 +319,57 @@ def _import(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_trainer(args: argparse.Namespace) -> int:
+    """`actcfg import --backend hf|lightning`: TrainingArguments or DeepSpeedStrategy keywords,
+    as YAML or JSON, back to a policy."""
+    from actcfg.translate.trainer_import import import_strategy_keywords, import_training_arguments
+
+    hf = args.backend == Backend.HF
+    trainer = "transformers" if hf else "Lightning"
+    what = "TrainingArguments keywords" if hf else "DeepSpeedStrategy keywords"
+    if args.modules or args.external or args.num_checkpoints is not None:
+        raise _Usage("--modules, --external and --num-checkpoints are for a ds_config (--backend deepspeed)")
+    _refuse_output_over(args.output, [args.file])
+    try:
+        doc = read_document(args.file)
+    except LoadFailure as e:
+        failure = [failure_diagnostic(args.file, e)]
+        if e.code == "yaml-not-mapping":  # the loader's hint speaks of policies
+            failure = [Diagnostic(args.file, e.line, e.column, e.code, "error",
+                                  f"{what} are a mapping of `name: value` lines",
+                                  f"write the {what} as a YAML or JSON mapping")]
+        _report(failure)
+        return _exit_code(failure)
+    try:
+        imported = (import_training_arguments if hf else import_strategy_keywords)(doc.data)
+    except TranslationError as e:
+        _report([Diagnostic(args.file, None, None, "unsupported-on-backend", "error", str(e),
+                            f"pass {what}")])
+        return 1
+
+    def where(key: str) -> tuple[int | None, int | None]:
+        return doc.locate(tuple(key.split(".")), key=True) if key.split(".")[0] in doc.data else (None, None)
+
+    _report([Diagnostic(args.file, *where(key), "ignored-key", "warning", f"`{key}`: {why}",
+                        "not imported")
+             for key, why in imported.ignored]
+            + [Diagnostic(args.file, None, None, "dropped-by-backend", "warning", f"`{key}`: {why}",
+                          f"imported: the policy keeps what {trainer} would lose")
+               for key, why in imported.dropped])
+    _out(imported.yaml, args.output)
+    return 0
+
+
 def _add_import(sub: Any) -> None:
-    p = sub.add_parser("import", help="print the actcfg policy for what DeepSpeed runs from a "
-                                      "ds_config.json (or a gpt-neox config)")
-    p.add_argument("file", metavar="DS_CONFIG", help="ds_config (JSON or hjson), or a gpt-neox "
-                                                      "config (.yml)")
+    p = sub.add_parser("import", help="print the actcfg policy for what a ds_config.json (or a "
+                                      "gpt-neox config), TrainingArguments or DeepSpeedStrategy "
+                                      "keywords run")
+    p.add_argument("file", metavar="FILE",
+                   help="a ds_config (JSON or hjson) or gpt-neox config (.yml); with --backend hf, "
+                        "TrainingArguments keywords (YAML or JSON); with --backend lightning, "
+                        "DeepSpeedStrategy keywords (YAML or JSON)")
+    p.add_argument("--backend", choices=[Backend.DEEPSPEED.value, Backend.HF.value, Backend.LIGHTNING.value],
+                   default=Backend.DEEPSPEED.value, help="what FILE holds (default: deepspeed)")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--modules", nargs="+", metavar="NAME",
                        help="class names (or patterns) of the modules to checkpoint: the "

@@ -1,8 +1,7 @@
 """Session fixture: real DeepSpeed under a single-process gloo group on the CPU.
 
 Import the fixture into a test module (`from _deepspeed_env import ds_env`); tests/conftest.py
-belongs to another module's owner. The first init compiles a small C++ op (seconds); later
-inits, one per module that uses the fixture, take well under a second.
+belongs to another module's owner. The first init compiles a small C++ op (seconds).
 """
 
 from __future__ import annotations
@@ -34,15 +33,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ds_env() -> Iterator[ModuleType]:
     """DeepSpeed's activation-checkpointing module, with torch.distributed initialised (gloo,
-    world size 1) so that `deepspeed.checkpointing.configure` can run.
-
-    Module-scoped: the group is destroyed when the module that asked for it ends. A session
-    group outlived test_ds_config.py and made later tests that need no group at all (a fake
-    two-rank world in test_verify.py) skip in the full suite.
-    """
+    world size 1) so that `deepspeed.checkpointing.configure` can run."""
     deepspeed = pytest.importorskip("deepspeed")
     import torch.distributed as dist
     from deepspeed.runtime.activation_checkpointing import checkpointing as ckpt

@@ -245,7 +245,7 @@ def test_pinned_memory_never_exceeds_pin_budget():
     cfg = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Linear"]},
            "cpu_checkpointing": True, "pin_budget": budget}
     with apply(model, cfg) as handle:
-        assert handle.offload["pin_budget"] == budget
+        assert handle.offload.pin_budget == budget
         with pytest.warns(OffloadWarning):
             for _ in range(STEPS):
                 got = plain_grads(model, x, cot)
@@ -272,15 +272,15 @@ def test_pin_false_uses_pageable_memory_only():
 def test_offload_report_names_groups():
     model, _ = seed_small(4)
     with apply(model, {"version": 1, "cpu_checkpointing": True}) as handle:
-        assert handle.offload["scope"] == "all_saved"
-        assert handle.offload["groups"] == ["0", "1", "2", "3"]
-        assert handle.offload["grouping"] == "children of the model"
+        assert handle.offload.scope == "all_saved"
+        assert handle.offload.groups == ("0", "1", "2", "3")
+        assert handle.offload.grouping == "children of the model"
     model, _ = blocks(n=3, d_model=64, heads=4, ffn=128, batch=2, seq=16)
     cfg = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]}, "cpu_checkpointing": True}
     with apply(model, cfg) as handle:
-        assert handle.offload["scope"] == "checkpoint_inputs"
-        assert handle.offload["groups"] == ["blocks.0", "blocks.1", "blocks.2"]
-        assert handle.offload["grouping"] == "the checkpointed modules"
+        assert handle.offload.scope == "checkpoint_inputs"
+        assert handle.offload.groups == ("blocks.0", "blocks.1", "blocks.2")
+        assert handle.offload.grouping == "the checkpointed modules"
 
 
 @pytest.mark.parametrize("ckpt", [{"mode": "none"}, {"mode": "full", "modules": ["Linear"]}])

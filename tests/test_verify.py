@@ -460,29 +460,21 @@ def test_a_handle_without_the_runtimes_attributes_is_not_guessed_at():
         _host_bytes(SimpleNamespace(offload=SimpleNamespace(stats=OffloadStats())), None)
 
 
-@pytest.fixture
-def two_rank_group():
-    """A torch.distributed world of two ranks in this one process (torch's fake backend)."""
-    torch = pytest.importorskip("torch")
-    import torch.distributed as dist
-
-    if not dist.is_available() or dist.is_initialized():
-        pytest.skip("needs torch.distributed and no process group yet")
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
-def test_a_process_group_counts_with_its_size(two_rank_group):
+def test_a_process_group_counts_with_its_size():
     # apply() takes a ProcessGroup as mpu=; verify once counted it as size 1 and failed `partition`.
-    from actcfg._apply_deepspeed import as_mpu, model_parallel_size
-
-    assert model_parallel_size(as_mpu(two_rank_group)) == 2
-    assert model_parallel_size(as_mpu(None)) == 1
+    # A fresh process: torch's fake two-rank world needs no default group to exist already, and
+    # the DeepSpeed tests keep one for the whole session.
+    pytest.importorskip("torch")
+    code = (
+        "import torch.distributed as dist\n"
+        "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
+        "from actcfg._apply_deepspeed import as_mpu, model_parallel_size\n"
+        "dist.init_process_group('fake', rank=0, world_size=2, store=FakeStore())\n"
+        "print(model_parallel_size(as_mpu(dist.group.WORLD)), model_parallel_size(as_mpu(None)))\n"
+        "dist.destroy_process_group()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert (done.returncode, done.stdout) == (0, "2 1\n"), done.stderr
 
 
 def test_mp_size_is_what_deepspeed_read_back_after_configure():

@@ -11,12 +11,15 @@ from __future__ import annotations
 from actcfg.backends._deepspeed_only import deepspeed_only
 from actcfg.backends.table import Entry, Key, Meta, Rejection, RoutedBy, Unsupported
 
-__all__ = ["ARGUMENT", "KWARGS", "TABLE"]
+__all__ = ["ARGUMENT", "KWARGS", "OLD_NAMES", "TABLE"]
 
 ARGUMENT = "activation_checkpointing"
-"""The TrainingArguments switch (transformers >= 5; `gradient_checkpointing` is its old alias)."""
+"""The TrainingArguments switch (transformers 5.24; `gradient_checkpointing` before, see OLD_NAMES)."""
 KWARGS = "activation_checkpointing_kwargs"
 """The TrainingArguments dict passed on to `activation_checkpointing_enable()`."""
+OLD_NAMES = {ARGUMENT: "gradient_checkpointing", KWARGS: "gradient_checkpointing_kwargs"}
+"""The names transformers used before 5.24 renamed them (5.17 knows only these; 5.24 takes them
+as deprecated aliases, the new name winning when both are set)."""
 
 _CALLBACK = "or run the policy with actcfg.integrations.hf.ActivationPolicyCallback"
 
@@ -32,11 +35,19 @@ TABLE: dict[str, Entry] = {
     ),
     "checkpoint.modules": RoutedBy(
         "transformers", "(every GradientCheckpointingLayer)",
-        rejects=(Rejection(
-            lambda patterns: any("." in p for p in patterns), "not-in-hf",
-            "`checkpoint.modules` names qualified module names; transformers checkpoints every "
-            "decoder layer of the model (its GradientCheckpointingLayer subclasses) and cannot "
-            "choose by name", f"name the decoder layer class, such as `[LlamaDecoderLayer]`, {_CALLBACK}"),),
+        rejects=(
+            Rejection(
+                lambda patterns: any("." in p for p in patterns), "not-in-hf",
+                "`checkpoint.modules` names qualified module names; transformers checkpoints every "
+                "decoder layer of the model (its GradientCheckpointingLayer subclasses) and cannot "
+                "choose by name", f"name the decoder layer class, such as `[LlamaDecoderLayer]`, {_CALLBACK}"),
+            Rejection(
+                lambda patterns: any(c in p for p in patterns for c in "*?["), "not-in-hf",
+                "`checkpoint.modules` uses a wildcard; transformers checkpoints every decoder layer "
+                "of the model (its GradientCheckpointingLayer subclasses), whatever a pattern "
+                "matches, so only the layer class's own name says the same",
+                f"name the decoder layer class, such as `[LlamaDecoderLayer]`, {_CALLBACK}"),
+        ),
     ),
     "checkpoint.every": Unsupported(
         "not-in-hf",

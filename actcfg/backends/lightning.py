@@ -28,7 +28,12 @@ TABLE: dict[str, Entry] = {
         "partition_activations", needs_checkpoint=True,
         dropped="Lightning 2.6.6 passes it to configure() without a model-parallel unit "
                 "(mpu_=None), so it shards nothing", dropped_fix=_CALLBACK),
-    "contiguous": Key("contiguous_memory_optimization", needs_checkpoint=True),
+    "contiguous": Unsupported(
+        "fails-in-lightning",
+        "`contiguous` fails in Lightning 2.6.6: it passes contiguous_checkpointing to configure() "
+        "without number_checkpoints, and DeepSpeed asserts (Lightning-AI/pytorch-lightning#20329)",
+        "remove `contiguous`, or run the policy with actcfg.integrations.lightning.ActivationPolicy, "
+        "which passes number_checkpoints on"),
     "num_checkpoints": Key(
         f"{CONFIG_SECTION}.number_checkpoints", needs_checkpoint=True,
         dropped="Lightning 2.6.6 never passes number_checkpoints to configure()",

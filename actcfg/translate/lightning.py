@@ -1,4 +1,4 @@
-"""Policy -> Lightning's `DeepSpeedStrategy` keywords and the `config` section they miss.
+"""Policy -> Lightning's `DeepSpeedStrategy` keywords, or the `config` section when a setting has none.
 
 Pure: no I/O, no lightning import. Names come from `actcfg.backends.lightning`. Each setting
 Lightning 2.6.6 drops on its way to DeepSpeed comes back as a warning that says so; the
@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from actcfg.backends import Backend
-from actcfg.backends.deepspeed import CHECKPOINT_FUNCTION
-from actcfg.backends.lightning import TABLE
+from actcfg.backends.deepspeed import CHECKPOINT_FUNCTION, SECTION
+from actcfg.backends.lightning import CONFIG_SECTION, TABLE
 from actcfg.backends.table import Key, field_value
 from actcfg.schema import Policy
 from actcfg.translate._refuse import refuse_inexpressible
@@ -20,27 +20,39 @@ __all__ = ["to_lightning"]
 
 
 def to_lightning(policy: Policy) -> dict[str, Any]:
-    """`{"strategy_kwargs": {...}, "config": {...}, "route": ..., "warnings": [...]}`."""
+    """`{"strategy_kwargs": ..., "config": ..., "usage": ..., "route": ..., "warnings": [...]}`.
+
+    `DeepSpeedStrategy(config=...)` ignores every keyword of the strategy (cpu_checkpointing
+    too), so the output is one or the other: keywords when each setting has one, else a
+    complete `activation_checkpointing` section for the user's DeepSpeed config.
+    """
     warnings = refuse_inexpressible(policy, Backend.LIGHTNING)
     kwargs: dict[str, Any] = {}
-    config: dict[str, Any] = {}
+    section: dict[str, Any] = {}
+    needs_config = False
     for path, entry in TABLE.items():
         if not isinstance(entry, Key):
             continue
-        value = field_value(policy, path)[0]
-        if entry.key.startswith("config."):
-            *parents, leaf = entry.key.removeprefix("config.").split(".")
-            node = config
-            for part in parents:
-                node = node.setdefault(part, {})
-            node[leaf] = value
+        value, default, _ = field_value(policy, path)
+        in_config = entry.key.startswith(f"{CONFIG_SECTION}.")
+        section[entry.key.removeprefix(f"{CONFIG_SECTION}.")] = value
+        if in_config:
+            needs_config = needs_config or value != default
         else:
             kwargs[entry.key] = value
+    if needs_config:
+        strategy_kwargs: dict[str, Any] | None = None
+        config: dict[str, Any] | None = {SECTION: section}
+        usage = (f"DeepSpeedStrategy(config=...): merge this `{SECTION}` section into your DeepSpeed "
+                 "config; DeepSpeedStrategy ignores all its keywords once config= is given")
+    else:
+        strategy_kwargs, config = kwargs, None
+        usage = "DeepSpeedStrategy(**strategy_kwargs)"
     ckpt = policy.checkpoint
     route: dict[str, Any] | None = None
     if ckpt.mode == "external":
         route = {"function": CHECKPOINT_FUNCTION, "called_by": "the model"}
     elif ckpt.mode != "none":
         route = {"function": CHECKPOINT_FUNCTION, "modules": list(ckpt.modules), "every": ckpt.every}
-    return {"strategy_kwargs": kwargs, "config": config, "route": route,
+    return {"strategy_kwargs": strategy_kwargs, "config": config, "usage": usage, "route": route,
             "warnings": [f"{'.'.join(w.path)}: {w.reason}; {w.hint}" for w in warnings]}
