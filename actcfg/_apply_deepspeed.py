@@ -28,7 +28,8 @@ from actcfg.errors import PolicyApplyError, TranslationError
 from actcfg.reports import CheckpointCounters, CheckpointReport, DeepSpeedReport
 from actcfg.schema import Policy
 
-__all__ = ["apply_deepspeed", "as_mpu", "fresh_alias", "model_parallel_size", "mpu_from_group", "read_back"]
+__all__ = ["apply_deepspeed", "as_mpu", "current_state", "fresh_alias", "model_parallel_size",
+           "mpu_from_group", "read_back"]
 
 # configure() kwarg -> the global of deepspeed/runtime/activation_checkpointing/checkpointing.py
 # it sets (ckpt.py:1202-1226).
@@ -202,6 +203,11 @@ def apply_deepspeed(model: nn.Module, policy: Policy, handle: Any, mpu: Any) -> 
         mpu=None if mpu is None else repr(mpu),
         input_guard="checkpointed modules receive fresh aliases of their tensor inputs",
     ))
+
+
+def current_state() -> dict[str, Any]:
+    """DeepSpeed's activation-checkpointing settings as they are now, by configure() keyword."""
+    return read_back(_deepspeed())
 
 
 def read_back(ckpt: Any) -> dict[str, Any]:

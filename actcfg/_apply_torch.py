@@ -152,39 +152,65 @@ def _resolve(dotted: str) -> Any:
 
 
 class _OffloadScope(NotPicklable):
-    """The root's forward inside the engine's step, and a mark at each group's entry.
+    """The offload step around the enclosing module's forward, and a mark at each group's entry.
 
-    Shared, not copied, by `copy.deepcopy`: a copy of the model offloads through the same
-    engine (and the same pinned pool). The engine's step and marks run outside torch.compile's
-    graphs (they are `torch.compiler.disable`d): a mark traced once would never run again, and
-    saved-tensor hooks are not traceable; the model's own forward inside the step is compiled.
+    The step is a `with` around the forward of the innermost module that contains every group,
+    so a KeyboardInterrupt leaves it as any exception does. A model that calls its groups
+    without calling that module (its layers reached as attributes) gets the step opened at the
+    first group's entry instead, and closed after the last group's forward. Shared, not copied,
+    by `copy.deepcopy`: a copy of the model offloads through the same engine (and pinned pool).
+    The engine's step and marks run outside torch.compile's graphs (`torch.compiler.disable`):
+    a mark traced once would never run again, and saved-tensor hooks are not traceable; the
+    model's own forward inside the step is compiled.
     """
 
     def __init__(self, engine: OffloadEngine) -> None:
         self.engine = engine
         self.removed = False
+        self.opened_at_group: Any = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _OffloadScope:
         return self
 
-    def __call__(self, module: nn.Module, previous: Any, *args: Any, **kwargs: Any) -> Any:
+    def _training(self, module: nn.Module) -> bool:
         if not (module.training and torch.is_grad_enabled()):
-            return call_inner(module, previous, *args, **kwargs)
+            return False
         if self.removed:
             raise PolicyApplyError(
                 "this model is a copy of a model whose actcfg policy was removed, and its offload "
                 "engine is closed; apply the policy to the original again, or train the copy in "
                 "torch.no_grad()/eval mode"
             )
+        return True
+
+    def __call__(self, module: nn.Module, previous: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self._training(module):
+            return call_inner(module, previous, *args, **kwargs)
+        self._close_group_step()  # one a KeyboardInterrupt left open
         with self.engine.step():
             return call_inner(module, previous, *args, **kwargs)
 
     @torch.compiler.disable
     def mark(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if not self.engine.in_step() and self._training(module):
+            self._close_group_step()
+            step = self.engine.step()
+            step.__enter__()
+            self.opened_at_group = step
         self.engine.mark_group()
+
+    @torch.compiler.disable
+    def after_last(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        self._close_group_step()
+
+    def _close_group_step(self) -> None:
+        step, self.opened_at_group = self.opened_at_group, None
+        if step is not None:
+            step.__exit__(None, None, None)
 
     def close(self) -> None:
         self.removed = True
+        self._close_group_step()
         self.engine.close()
 
 
@@ -232,9 +258,32 @@ def _apply_offload(model: nn.Module, plan: OffloadPlan, selected: list[tuple[str
     for _, module in groups:
         # prepend: the boundary is marked before any other pre-hook of the block saves tensors.
         handle.undo.push(module.register_forward_pre_hook(scope.mark, prepend=True).remove)
-    override_forward(handle.undo, model, scope, "offload scope")
+    if groups:
+        last = groups[-1][1]
+        handle.undo.push(last.register_forward_hook(scope.after_last, always_call=True).remove)
+    within, enclosing = _enclosing(model, [n for n, _ in groups])
+    override_forward(handle.undo, enclosing, scope, "offload scope")
     handle.set_offload(OffloadReport(
         engine=plan.engine, scope=plan.scope, pin=plan.pin and device.type == "cuda",
         pin_budget=plan.pin_budget, min_offload_bytes=engine.min_offload_bytes,
         device=str(engine.device), groups=tuple(n for n, _ in groups), grouping=grouping,
+        within=within,
     ))
+
+
+def _enclosing(model: nn.Module, groups: list[str]) -> tuple[str, nn.Module]:
+    """The innermost module with a forward of its own that contains every group: its forward is
+    the offload step. Not always the root: a LightningModule's own forward is never called
+    (Lightning calls training_step, which calls the model inside it)."""
+    parents = [name.split(".")[:-1] for name in groups]
+    common: list[str] = []
+    for parts in zip(*parents) if parents else ():
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    while common:
+        module = model.get_submodule(".".join(common))
+        if type(module).forward is not nn.Module.forward and not isinstance(module, torch.jit.ScriptModule):
+            return ".".join(common), module
+        common.pop()
+    return "", model

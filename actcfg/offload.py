@@ -465,6 +465,10 @@ class OffloadEngine:
         the device."""
         return _StepScope(self)
 
+    def in_step(self) -> bool:
+        """True while this thread's forward is being offloaded."""
+        return self._step is not None and self._owner == threading.get_ident()
+
     def _open_step(self) -> None:
         if self._closed:
             raise OffloadError("this offload engine was closed (the policy was removed)")

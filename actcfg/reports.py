@@ -90,6 +90,9 @@ class OffloadReport:
     """Qualified names of the modules at whose entry a new group opens."""
     grouping: str
     """How the groups were chosen, in words."""
+    within: str = ""
+    """Qualified name of the module whose forward is the offload step ("": the model): the
+    innermost one with a forward of its own that contains every group."""
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able form."""

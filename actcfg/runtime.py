@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from actcfg._apply_deepspeed import apply_deepspeed, mpu_from_group
+from actcfg._apply_deepspeed import apply_deepspeed, current_state, mpu_from_group
 from actcfg._apply_torch import apply_torch, block_groups, resolve_ops
 from actcfg._wrap import APPLIED, WRAPPED, Marker, select_modules
 from actcfg.errors import PolicyApplyError
@@ -114,6 +114,12 @@ class AppliedPolicy:
     def checkpoint_api(self) -> str | None:
         """The function that checkpoints them."""
         return None if self.checkpoint is None else self.checkpoint.api
+
+    def deepspeed_state(self) -> dict[str, Any] | None:
+        """DeepSpeed's activation-checkpointing settings read back now, by configure() keyword
+        (None for the torch backend): equal to `deepspeed.configure_kwargs` unless something
+        called deepspeed.checkpointing.configure after apply."""
+        return None if self.deepspeed is None else current_state()
 
     @property
     def removed(self) -> bool:

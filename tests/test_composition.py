@@ -308,6 +308,35 @@ def test_decoder_layer_inputs_passed_by_keyword_are_offloaded(loopback):
     # Layers 0-2 keep their hidden_states (2 x 32 x 64 floats) on the host: passed by keyword,
     # they still reached the checkpoint function, and the offload hooks, as positional tensors.
     assert handle.engine.stats.offloaded_bytes == 3 * 2 * 32 * 64 * 4
+    # The enclosing module (`inner`, a LlamaModel) is never called here: the step opened at the
+    # first layer's entry and closed after the last layer's forward.
+    assert handle.offload.within == "inner" and handle.engine._step is None
+
+
+class TrainsThroughAStep(nn.Module):
+    """Like a LightningModule: its own forward is never called; training_step calls the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model, _ = make()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("never called")
+
+    def training_step(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x).square().mean()
+
+
+def test_the_offload_step_is_the_innermost_module_enclosing_every_group(loopback):
+    root = TrainsThroughAStep()
+    plain, x = make()
+    plain(x).square().mean().backward()
+    handle = applied(root, OFFLOAD_ALL)
+    assert handle.offload.within == "model"
+    root.training_step(x).backward()
+    assert handle.engine.stats.steps == 1 and handle.engine.stats.offloaded_bytes > 0
+    for (name, p), q in zip(root.model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
 
 
 # --- the DeepSpeed engine -----------------------------------------------------------------------

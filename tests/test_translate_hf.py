@@ -32,9 +32,17 @@ def test_a_full_policy_maps_to_activation_checkpointing_and_its_kwargs():
     assert out == {
         "training_arguments": {"activation_checkpointing": True,
                                "activation_checkpointing_kwargs": {"use_reentrant": False, "offload": True}},
+        "training_arguments_before_5_24": None,
         "layers": ["LlamaDecoderLayer"],
-        "warnings": [],
+        "warnings": ["cpu_checkpointing: transformers before 5.24 cannot offload (no `offload` "
+                     "keyword); use 5.24 or later, or actcfg.integrations.hf.ActivationPolicyCallback"],
     }
+
+
+def test_earlier_transformers_get_the_old_names():
+    out = to_hf(actcfg.load(FULL))
+    assert out["training_arguments_before_5_24"] == {
+        "gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}}
 
 
 def test_no_checkpointing_maps_to_switch_off():

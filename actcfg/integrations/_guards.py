@@ -151,12 +151,8 @@ def refuse_drifted_deepspeed_state(applied: Any, when: str) -> None:
     actcfg configured (someone called deepspeed.checkpointing.configure after it)."""
     if applied is None or applied.deepspeed is None:
         return
-    from deepspeed.runtime.activation_checkpointing import checkpointing
-
-    from actcfg._apply_deepspeed import read_back
-
     wanted = applied.deepspeed.configure_kwargs
-    state = read_back(checkpointing)
+    state = applied.deepspeed_state()
     differ = [f"{k}: policy {wanted[k]!r}, DeepSpeed has {state[k]!r}"
               for k in wanted if not _same(state[k], wanted[k])]
     if differ:
