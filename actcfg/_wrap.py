@@ -238,9 +238,10 @@ def call_with_flat_tensors(
     A checkpoint function sees, saves and routes gradients through its positional tensors only:
     a tensor inside a container or passed by keyword would get no gradient from a reentrant or
     DeepSpeed checkpoint (silently wrong), and would stay on the GPU past actcfg's offload
-    hooks. `needs_grad_input` adds a 1-element tensor that requires grad when no input does
-    (integer-only inputs such as token ids): reentrant and DeepSpeed checkpoints compute
-    parameter gradients only for calls with such an input. `flat_outputs` returns the outputs
+    hooks. `needs_grad_input`: when no input requires grad, the first floating input is passed
+    as an alias that does (no copy), or, for integer-only inputs such as token ids, a one-element
+    tensor that does is added: reentrant and DeepSpeed checkpoints compute parameter gradients
+    only for calls with such an input. `flat_outputs` returns the outputs
     as a flat tuple of tensors to the checkpoint function and rebuilds their structure after
     (reentrant and DeepSpeed checkpoints drop gradients of tensors inside a dict output).
     """
@@ -251,9 +252,13 @@ def call_with_flat_tensors(
     template = [None if isinstance(v, torch.Tensor) else v for v in leaves]
     dummy = 0
     if needs_grad_input and torch.is_grad_enabled() and not any(t.requires_grad for t in tensors):
-        device = tensors[0].device if tensors else None
-        tensors.append(torch.ones(1, device=device, requires_grad=True))
-        dummy = 1
+        floating = next((i for i, t in enumerate(tensors) if t.is_floating_point()), None)
+        if floating is not None:  # an alias that requires grad: no copy, its gradient unused
+            tensors[floating] = tensors[floating].detach().requires_grad_()
+        else:  # integer-only inputs (token ids): a one-element tensor carries the gradient
+            device = tensors[0].device if tensors else None
+            tensors.append(torch.ones(1, device=device, requires_grad=True))
+            dummy = 1
     out_spec: list[Any] = []
 
     def run(*given: torch.Tensor) -> Any:
