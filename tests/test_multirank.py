@@ -11,6 +11,7 @@ tests/test_distributed.py.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,9 +20,17 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 try:
-    from tests._multirank import WORLD, finish, gloo_or_skip, init_group, run_ranks, write_result
+    from tests._multirank import (
+        WORLD,
+        finish,
+        free_port,
+        gloo_or_skip,
+        init_group,
+        run_ranks,
+        write_result,
+    )
 except ImportError:  # tests/ is not a package: pytest puts tests/ itself on sys.path
-    from _multirank import WORLD, finish, gloo_or_skip, init_group, run_ranks, write_result
+    from _multirank import WORLD, finish, free_port, gloo_or_skip, init_group, run_ranks, write_result
 
 FULL = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]}}
 FULL_OFFLOAD = {**FULL, "cpu_checkpointing": True}
@@ -352,3 +361,150 @@ def test_zero3_on_two_ranks_trains_to_the_same_losses_under_a_policy_on_either_b
             assert r["losses"] == pytest.approx(plain["losses"], rel=1e-5), (rank, backend)
             assert r["recomputes"] == ENGINE_STEPS * N_BLOCKS
     assert ranks[0]["plain"]["losses"] != ranks[1]["plain"]["losses"]  # each rank its own data
+
+
+# --- actcfg verify on two ranks: gather, judge, render; the CLI under a torchrun environment -----
+# The GPU measurement itself needs CUDA (tests/test_distributed.py runs it); here each rank
+# stands in synthetic numbers for it, and everything after (the gather over a real gloo group,
+# the judging, the rendering, the CLI's group, output and exit codes) runs for real.
+
+B = 1 << 20  # one block input of the synthetic measurements
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+PARTITION_CONFIG = CONFIGS / "deepspeed-partition-model-parallel.yaml"
+
+
+def synthetic(per_block: int, grad_error: float = 0.0) -> Any:
+    """Measurements of 8 blocks whose checkpoint memory grows by `per_block` bytes per block."""
+    from actcfg.verify import GradDiff, Measurements, RunMeasurement
+
+    return Measurements(
+        blocks=tuple(f"blocks.{i}" for i in range(8)), block_input_bytes=B,
+        plain=RunMeasurement(tuple(4 * B * (i + 1) for i in range(8)), 40 * B, 0.010),
+        policy=RunMeasurement(tuple(B + per_block * i for i in range(8)), 10 * B, 0.012),
+        grads=(GradDiff("blocks.0.fc1.weight", grad_error),), dtype="bfloat16", mp_size=WORLD,
+        recomputes=8)
+
+
+def _gather_worker(rank: int, out_dir: str, port: int) -> None:
+    from actcfg.errors import VerifyError
+    from actcfg.schema import Policy
+    from actcfg.verify import VerifyReport, judge_ranks
+    from actcfg.verify.measure import gather_ranks
+    from actcfg.verify.render import render_text
+
+    init_group(rank, port)
+    policy = Policy.model_validate(PARTITION)
+    # Rank 1 keeps whole block inputs: the partition promise must fail there, and so overall.
+    ranks = gather_ranks(synthetic(B // 2 if rank == 0 else B))
+    report = VerifyReport(policy, "deepspeed", ranks[0], tuple(judge_ranks(policy, ranks)), ranks)
+    try:
+        gather_ranks("the model failed under the policy: CUDA out of memory" if rank == 1
+                     else synthetic(B // 2))
+        failure = "no error"
+    except VerifyError as e:
+        failure = str(e)
+    write_result(out_dir, rank, {"ok": report.ok, "text": render_text(report), "failure": failure,
+                                 "mp_sizes": [m.mp_size for m in ranks]})
+    finish()
+
+
+def test_verify_gathers_every_ranks_measurements_and_all_ranks_reach_one_verdict(tmp_path):
+    gloo_or_skip()
+    ranks = run_ranks(_gather_worker, tmp_path)
+    assert ranks[0] == ranks[1]  # every rank judged every rank's numbers alike
+    r = ranks[0]
+    assert r["ok"] is False and r["mp_sizes"] == [2, 2]
+    assert r["text"].splitlines()[:5] == [
+        "actcfg verify: backend deepspeed, 2 ranks, 8 blocks, bfloat16, 3 steps, model-parallel size 2",
+        "",
+        "rank  plain MiB/block  policy MiB/block  plain peak MiB  policy peak MiB  plain ms  "
+        "policy ms  offloaded MiB  gradient error",
+        "0                 4.0               0.5            40.0             10.0      10.0       "
+        "12.0            n/a               0",
+        "1                 4.0               1.0            40.0             10.0      10.0       "
+        "12.0            n/a               0",
+    ]
+    assert "FAIL  partition  on rank 1 of 2: partition is on with model-parallel size 2 but held " \
+           "checkpoint memory grew by 1.0 MB per block, 1.00 of one block input instead of about " \
+           "1/2: the activations were not partitioned\n" in r["text"]
+    assert "PASS  gradients  on all 2 ranks; rank 0: gradients match the plain run" in r["text"]
+    # A rank that failed still joins the gather: every rank raises the same sentence.
+    assert r["failure"] == ("rank 1 of 2 measured nothing: the model failed under the policy: "
+                            "CUDA out of memory")
+
+
+CLI_CASES = {  # name -> what each rank measures (a per-block growth, or an error it raises)
+    "pass": (B // 2, B // 2),
+    "rank 1 unpartitioned": (B // 2, B),
+    "rank 1 failed": (B // 2, "the model failed under the policy: CUDA out of memory"),
+}
+
+
+def _cli_worker(rank: int, out_dir: str, port: int, ports: list[int]) -> None:
+    import contextlib
+    import io
+    import os
+
+    import torch.distributed as dist
+
+    import actcfg.verify
+    import actcfg.verify.measure as measure
+    from actcfg.cli import main
+    from actcfg.errors import VerifyError
+
+    seen: list[Any] = []
+
+    def measured_here(factory: Any, policy: Any, **options: Any) -> Any:
+        mpu = options["mpu"]
+        seen.append({"mpu_size": dist.get_world_size(mpu), "world": mpu is dist.group.WORLD,
+                     "initialised": dist.is_initialized()})
+        outcome = CLI_CASES[case][rank]
+        if isinstance(outcome, str):
+            raise VerifyError(outcome)
+        return synthetic(outcome)
+
+    actcfg.verify.require_cuda = measure.require_cuda = lambda: None
+    measure.measure_here = measured_here
+    result = {}
+    for case, case_port in zip(CLI_CASES, ports):
+        # What torchrun sets; the CLI starts (and ends) the group itself.
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(case_port), RANK=str(rank),
+                          WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["verify", str(PARTITION_CONFIG), "--model", "actcfg.probes:blocks"])
+        result[case] = {"code": code, "out": out.getvalue(), "err": err.getvalue(),
+                        "group_left_up": dist.is_initialized()}
+    result["seen"] = seen
+    write_result(out_dir, rank, result)
+
+
+@pytest.mark.deepspeed
+def test_cli_under_torchrun_prints_once_on_rank_0_and_every_rank_exits_alike(tmp_path):
+    gloo_or_skip()
+    pytest.importorskip("deepspeed")
+    ranks = run_ranks(_cli_worker, tmp_path, [free_port() for _ in CLI_CASES])
+    for rank, result in enumerate(ranks):
+        # The CLI started a group of both ranks and passed it as the model-parallel group.
+        assert result["seen"] == [{"mpu_size": 2, "world": True, "initialised": True}] * 3
+        for case in CLI_CASES:
+            r = result[case]
+            assert r["code"] == {"pass": 0, "rank 1 unpartitioned": 1, "rank 1 failed": 1}[case]
+            assert r["group_left_up"] is False
+            if rank == 1:
+                assert (r["out"], r["err"]) == ("", ""), case  # only rank 0 writes
+    zero = ranks[0]
+    # stdout holds the report alone (DeepSpeed's own chatter, if any, goes to stderr)...
+    assert zero["pass"]["out"].startswith("actcfg verify: backend deepspeed, 2 ranks, 8 blocks")
+    assert "PASS  partition  on all 2 ranks; rank 0: held checkpoint memory grew by 0.5 MB per " \
+           "block, 0.50 of one block input (about 1/2 or less)\n" in zero["pass"]["out"]
+    assert "FAIL  partition  on rank 1 of 2: " in zero["rank 1 unpartitioned"]["out"]
+    assert zero["rank 1 failed"]["out"] == ""
+    # ...and stderr validate's warning (it cannot know about torchrun), then any error, once.
+    ours = {case: [line for line in zero[case]["err"].splitlines()
+                   if line.startswith((str(PARTITION_CONFIG), "actcfg"))] for case in CLI_CASES}
+    warning = f"{PARTITION_CONFIG}:10:12: warning partition-needs-model-parallel: "
+    assert [line[:len(warning)] for line in ours["pass"]] == [warning]
+    assert ours["rank 1 failed"][1:] == [
+        "actcfg: error: rank 1 of 2 measured nothing: the model failed under the policy: CUDA out "
+        "of memory"]
