@@ -514,7 +514,8 @@ def _process_group(backend: Backend) -> Iterator[Any]:
             with contextlib.redirect_stdout(sys.stderr):
                 import deepspeed
         except ImportError:
-            raise _Usage("this policy's backend is deepspeed: pip install actcfg[deepspeed]") from None
+            raise _Usage("this policy's backend is deepspeed: "
+                         "pip install actcfg[deepspeed]") from None
     import torch
 
     before: dict[str, str | None] = {}

@@ -4,7 +4,8 @@ tests/test_multirank.py, which runs the same cases on two gloo ranks on the CPU)
 Run on a machine with two GPUs (H200: DeepSpeed's op builder needs TORCH_CUDA_ARCH_LIST=9.0;
 NCCL_NVLS_ENABLE=0 stays set):
 
-    NCCL_NVLS_ENABLE=0 TORCH_CUDA_ARCH_LIST=9.0 PYTHONPATH=. python -m pytest -m distributed -q tests/test_distributed.py
+    NCCL_NVLS_ENABLE=0 TORCH_CUDA_ARCH_LIST=9.0 PYTHONPATH=. \
+        python -m pytest -m distributed -q tests/test_distributed.py
 
 Memory is `torch.cuda.memory_allocated()` after each block's forward, above the step's start,
 and "per block" is its mean growth over the second half of the blocks (as `actcfg verify`
@@ -86,7 +87,7 @@ def max_rel_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -
     return max(float((got[k] - want[k]).abs().max() / want[k].abs().max()) for k in want)
 
 
-# --- DeepSpeed partition across the two GPUs ------------------------------------------------------
+# --- DeepSpeed partition across the two GPUs --------------------------------------------------
 
 N_LAYERS = 8
 PARTITION_CASES = {  # name -> (policy fields, with the model-parallel group)
@@ -104,7 +105,7 @@ def _partition_worker(rank: int, out_dir: str, port: int) -> None:
     from actcfg.probes import linear_chain
 
     _init(rank, port, deepspeed=True)
-    torch.manual_seed(0)  # the same replica and input on both ranks, as tensor parallelism sees them
+    torch.manual_seed(0)  # the same replica and input on both ranks, as tensor-parallel ranks
     plain, x = linear_chain(n=N_LAYERS, width=2048, shape=(64, 512), dtype=torch.float32)
     one_input = x.numel() * x.element_size()
 
@@ -150,18 +151,20 @@ def test_partition_on_two_gpus_holds_half_of_each_checkpoint_with_the_one_gpu_gr
         assert result["partition+contiguous"]["held"] <= 0.5 + FLAT, (rank, result)
 
 
-# --- FSDP2 with actcfg's offload engine ------------------------------------------------------------
+# --- FSDP2 with actcfg's offload engine --------------------------------------------------------
 
 N_BLOCKS = 8
 FULL = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]}}
-FSDP_CASES = {"checkpoint": FULL, "checkpoint+cpu_checkpointing": {**FULL, "cpu_checkpointing": True}}
+FSDP_CASES = {"checkpoint": FULL,
+              "checkpoint+cpu_checkpointing": {**FULL, "cpu_checkpointing": True}}
 
 
 def _stack() -> tuple[nn.Module, torch.Tensor]:
     from actcfg.probes import blocks
 
     torch.manual_seed(0)
-    return blocks(n=N_BLOCKS, d_model=1024, heads=8, ffn=4096, batch=4, seq=1024, dtype=torch.float32)
+    return blocks(n=N_BLOCKS, d_model=1024, heads=8, ffn=4096, batch=4, seq=1024,
+                  dtype=torch.float32)
 
 
 def _fsdp_worker(rank: int, out_dir: str, port: int) -> None:
@@ -215,7 +218,8 @@ def _fsdp_worker(rank: int, out_dir: str, port: int) -> None:
 def test_fsdp2_with_offload_on_two_gpus_gives_the_one_gpu_gradients_and_flat_memory(tmp_path):
     for rank, result in enumerate(run_ranks(_fsdp_worker, tmp_path, timeout=TIMEOUT)):
         for order in ("apply-then-shard", "shard-then-apply"):
-            ckpt, offload = result[f"{order}/checkpoint"], result[f"{order}/checkpoint+cpu_checkpointing"]
+            ckpt = result[f"{order}/checkpoint"]
+            offload = result[f"{order}/checkpoint+cpu_checkpointing"]
             for r in (ckpt, offload):
                 # Half batches on two ranks, averaged by FSDP2, against the whole batch on one
                 # GPU: other kernel choices, so equal up to float32 rounding.
@@ -226,7 +230,7 @@ def test_fsdp2_with_offload_on_two_gpus_gives_the_one_gpu_gradients_and_flat_mem
             assert abs(offload["held"]) < FLAT, (rank, order, result)  # ...offloaded: flat
 
 
-# --- DeepSpeed ZeRO-3 with a policy ------------------------------------------------------------------
+# --- DeepSpeed ZeRO-3 with a policy ----------------------------------------------------------
 
 
 def _zero3_worker(rank: int, out_dir: str, port: int) -> None:
@@ -242,7 +246,8 @@ def _zero3_worker(rank: int, out_dir: str, port: int) -> None:
     for name, backend in (("plain", None), ("torch", "torch"), ("deepspeed", "deepspeed")):
         F.linear = linear  # ZeRO-3 replaces it process-wide and never puts it back
         torch.manual_seed(0)
-        model, x = blocks(n=4, d_model=512, heads=8, ffn=2048, batch=4, seq=512, dtype=torch.float32)
+        model, x = blocks(n=4, d_model=512, heads=8, ffn=2048, batch=4, seq=512,
+                          dtype=torch.float32)
         local = x.chunk(WORLD)[rank].contiguous()
         handle = actcfg.apply(model, FULL, backend=backend) if backend else None
         engine, *_ = deepspeed.initialize(
@@ -271,12 +276,12 @@ def test_zero3_on_two_gpus_trains_to_the_same_losses_under_a_policy(tmp_path):
     for rank, result in enumerate(run_ranks(_zero3_worker, tmp_path, timeout=TIMEOUT)):
         assert result["plain"]["stage"] == 3
         for backend in ("torch", "deepspeed"):
-            assert result[backend]["losses"] == pytest.approx(result["plain"]["losses"], rel=1e-5), (
-                rank, backend, result)
+            got, want = result[backend]["losses"], result["plain"]["losses"]
+            assert got == pytest.approx(want, rel=1e-5), (rank, backend, result)
             assert result[backend]["recomputes"] == 3 * 4
 
 
-# --- actcfg verify under torchrun --------------------------------------------------------------------
+# --- actcfg verify under torchrun ------------------------------------------------------------
 
 
 def torchrun_verify(*argv: str) -> subprocess.CompletedProcess[str]:

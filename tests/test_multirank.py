@@ -30,7 +30,8 @@ try:
         write_result,
     )
 except ImportError:  # tests/ is not a package: pytest puts tests/ itself on sys.path
-    from _multirank import WORLD, finish, free_port, gloo_or_skip, init_group, run_ranks, write_result
+    from _multirank import (WORLD, finish, free_port, gloo_or_skip, init_group, run_ranks,
+                            write_result)
 
 FULL = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]}}
 FULL_OFFLOAD = {**FULL, "cpu_checkpointing": True}
@@ -133,7 +134,8 @@ def fsdp_ranks(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(FSDP_CASES))
 @pytest.mark.parametrize("order", ORDERS)
-def test_fsdp2_on_two_ranks_gives_the_unsharded_gradients_and_the_policy_acts(fsdp_ranks, order, name):
+def test_fsdp2_on_two_ranks_gives_the_unsharded_gradients_and_the_policy_acts(
+        fsdp_ranks, order, name):
     for rank, result in enumerate(fsdp_ranks):
         r = result[f"{order}/{name}"]
         assert r["class"] == "FSDPBlock"
@@ -228,7 +230,8 @@ def _partition_worker(rank: int, out_dir: str, port: int) -> None:
     init_group(rank, port, deepspeed=True)
     model, x = make()
     # The control: checkpointing alone, no model-parallel group; DeepSpeed keeps whole inputs.
-    result: dict[str, Any] = {"checkpoint only": _partition_run(model, x, {**PARTITION, "partition": False}, None)}
+    unpartitioned = {**PARTITION, "partition": False}
+    result: dict[str, Any] = {"checkpoint only": _partition_run(model, x, unpartitioned, None)}
     for name, extra in PARTITION_CASES.items():
         model, x = make()  # the same weights and input on both ranks, as tensor-parallel ranks see
         result[name] = _partition_run(model, x, {**PARTITION, **extra}, dist.group.WORLD)
@@ -257,7 +260,8 @@ def partition_ranks(tmp_path_factory):
 
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("name", [*PARTITION_CASES, "mesh['tp']"])
-def test_partition_across_two_ranks_keeps_half_of_each_input_with_plain_gradients(partition_ranks, name):
+def test_partition_across_two_ranks_keeps_half_of_each_input_with_plain_gradients(
+        partition_ranks, name):
     for rank, result in enumerate(partition_ranks):
         r = result[name]
         assert r["mp_size"] == 2, (rank, r)  # DeepSpeed's own mp_size, read back after configure
@@ -272,7 +276,8 @@ def test_partition_across_two_ranks_keeps_half_of_each_input_with_plain_gradient
         assert r["configured"]["checkpoint_in_cpu"] is ("cpu_checkpointing" in name)
         if contiguous:  # num_checkpoints was omitted: apply filled in the routed count
             assert r["configured"]["num_checkpoints"] == N_BLOCKS
-            assert r["notes"] == [f"num_checkpoints set to {N_BLOCKS}, the number of routed modules"]
+            assert r["notes"] == [
+                f"num_checkpoints set to {N_BLOCKS}, the number of routed modules"]
         else:
             assert r["notes"] == []
 
@@ -415,7 +420,8 @@ def test_verify_gathers_every_ranks_measurements_and_all_ranks_reach_one_verdict
     r = ranks[0]
     assert r["ok"] is False and r["mp_sizes"] == [2, 2]
     assert r["text"].splitlines()[:5] == [
-        "actcfg verify: backend deepspeed, 2 ranks, 8 blocks, bfloat16, 3 steps, model-parallel size 2",
+        "actcfg verify: backend deepspeed, 2 ranks, 8 blocks, bfloat16, 3 steps, "
+        "model-parallel size 2",
         "",
         "rank  plain MiB/block  policy MiB/block  plain peak MiB  policy peak MiB  plain ms  "
         "policy ms  offloaded MiB  gradient error",

@@ -27,8 +27,15 @@ if TYPE_CHECKING:
 
     from actcfg.schema import Policy
 
-__all__ = ["BUILD_SEED", "STEP_SEED", "default_loss", "gather_ranks", "measure_here", "require_cuda",
-           "verify"]
+__all__ = [
+    "BUILD_SEED",
+    "STEP_SEED",
+    "default_loss",
+    "gather_ranks",
+    "measure_here",
+    "require_cuda",
+    "verify",
+]
 
 STEP_SEED = 1234
 """Step k of both runs starts from seed STEP_SEED + k, so dropout draws the same masks plain and
