@@ -156,6 +156,7 @@ PARTITION = {**FULL, "backend": "deepspeed", "partition": True}
 PARTITION_CASES = {
     "partition": {},
     "partition+contiguous": {"contiguous": True},  # num_checkpoints left to apply
+    "partition+contiguous, num_checkpoints 6": {"contiguous": True, "num_checkpoints": 6},
     "partition+cpu_checkpointing": {"cpu_checkpointing": True},
     "partition+contiguous+cpu_checkpointing": {"contiguous": True, "cpu_checkpointing": True},
 }
@@ -274,12 +275,14 @@ def test_partition_across_two_ranks_keeps_half_of_each_input_with_plain_gradient
         contiguous = "contiguous" in name
         assert r["configured"]["contiguous_checkpointing"] is contiguous
         assert r["configured"]["checkpoint_in_cpu"] is ("cpu_checkpointing" in name)
-        if contiguous:  # num_checkpoints was omitted: apply filled in the routed count
+        if "num_checkpoints" in name:  # as the policy says: more buffers than calls is fine
+            assert (r["configured"]["num_checkpoints"], r["notes"]) == (6, [])
+        elif contiguous:  # num_checkpoints was omitted: apply filled in the routed count
             assert r["configured"]["num_checkpoints"] == N_BLOCKS
             assert r["notes"] == [
                 f"num_checkpoints set to {N_BLOCKS}, the number of routed modules"]
         else:
-            assert r["notes"] == []
+            assert (r["configured"]["num_checkpoints"], r["notes"]) == (None, [])
 
 
 @pytest.mark.deepspeed

@@ -430,6 +430,7 @@ def verify(
     require_cuda()
     policy = load(cfg, backends=(chosen,) if chosen is not None else ())
     outcome: Measurements | str
+    failure: Exception | None = None
     if _world_size(group) == 1:
         outcome = measure_here(model_factory, policy, backend=chosen, inputs=inputs,
                                loss_fn=loss_fn, steps=steps, mpu=mpu, apply=apply)
@@ -438,8 +439,14 @@ def verify(
             outcome = measure_here(model_factory, policy, backend=chosen, inputs=inputs,
                                    loss_fn=loss_fn, steps=steps, mpu=mpu, apply=apply)
         except Exception as e:  # every rank must reach the gather, or the others wait forever
+            failure = e
             outcome = str(e) if isinstance(e, ActcfgError) else f"{type(e).__name__}: {e}"
-    ranks = gather_ranks(outcome, group)
+    try:
+        ranks = gather_ranks(outcome, group)
+    except VerifyError as e:
+        if failure is not None:
+            raise e from failure  # this rank's own traceback stays attached
+        raise
     used = chosen or policy.backend
     return VerifyReport(policy, used.value, ranks[0], tuple(judge_ranks(policy, ranks)),
                         ranks if len(ranks) > 1 else ())
