@@ -11,6 +11,7 @@ import argparse
 import atexit
 import contextlib
 import gc
+import io
 import os
 import stat
 import sys
@@ -408,7 +409,38 @@ def _refuse_verify(args: argparse.Namespace, code: int, message: str | None,
     return code
 
 
+def _launched_rank() -> int:
+    """This process's rank under a launcher that starts several (torchrun sets RANK and
+    WORLD_SIZE); 0 otherwise."""
+    try:
+        return int(os.environ.get("RANK", "0")) if _launched_world() > 1 else 0
+    except ValueError:
+        return 0
+
+
+def _launched_world() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
 def _verify(args: argparse.Namespace) -> int:
+    """Under torchrun every rank measures and judges alike; only rank 0 writes (the report, the
+    plot, the errors), and every rank returns the exit code of the same verdicts."""
+    if _launched_rank() == 0:
+        return _verify_here(args)
+    quiet = io.StringIO()
+    with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+        try:
+            return _verify_here(args, write=False)
+        except _Usage:
+            return 2
+        except ActcfgError:
+            return 1
+
+
+def _verify_here(args: argparse.Namespace, write: bool = True) -> int:
     # Imported here, not above: verify measures with torch, and validate must never load it.
     from actcfg.verify import DEFAULT_MODEL, load_factory, require_cuda, verify
     from actcfg.verify.render import REPORTER_BY_NAME as RENDERERS
@@ -430,10 +462,17 @@ def _verify(args: argparse.Namespace) -> int:
         return _refuse_verify(args, 2, str(e))
     with contextlib.ExitStack() as stack:
         try:
-            stack.enter_context(_process_group(backend))
+            group = stack.enter_context(_process_group(backend))
         except _Usage as e:
             return _refuse_verify(args, 2, str(e))
-        report = verify(factory, policy, steps=args.steps, backend=args.backend)
+        options: dict[str, Any] = {}
+        if group is not None and backend is Backend.DEEPSPEED:
+            # The ranks torchrun started hold the same model, as tensor-parallel ranks do:
+            # they are the model-parallel group DeepSpeed partitions across.
+            options["mpu"] = group
+        report = verify(factory, policy, steps=args.steps, backend=args.backend, **options)
+    if not write:
+        return 0 if report.ok else 1
     _out(RENDERERS[args.format](report))
     if args.plot:
         try:
@@ -446,34 +485,64 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def _process_group(backend: Backend) -> Iterator[None]:
-    """A one-process NCCL group for a DeepSpeed policy when no launcher started one, destroyed
-    after: DeepSpeed's `configure` asks torch.distributed for the rank even on one GPU. Under
-    a launcher (WORLD_SIZE set) or with a group already up, nothing is started or stopped."""
-    if backend is not Backend.DEEPSPEED:
-        yield
-        return
-    import socket
+def _process_group(backend: Backend) -> Iterator[Any]:
+    """The process group verify runs in, destroyed after if started here; yields the group of
+    all ranks when a launcher started several, else None.
 
+    Under a launcher (torchrun sets WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT)
+    the group is started from its environment, one GPU per rank (LOCAL_RANK): the ranks gather
+    their measurements through it. Without one, a DeepSpeed policy gets a one-process group
+    (DeepSpeed's `configure` asks torch.distributed for the rank even on one GPU) and a torch
+    policy none. A group already up is used as it is and left up.
+    """
     import torch.distributed as dist
 
-    if (dist.is_available() and dist.is_initialized()) or "WORLD_SIZE" in os.environ:
-        yield
+    launched = "WORLD_SIZE" in os.environ
+    if dist.is_available() and dist.is_initialized():
+        yield dist.group.WORLD if dist.get_world_size() > 1 else None
         return
+    if backend is not Backend.DEEPSPEED and _launched_world() <= 1:
+        yield None
+        return
+    if not dist.is_available():
+        raise _Usage("verify on several ranks needs torch.distributed, which this torch lacks")
+    deepspeed = None
+    if backend is Backend.DEEPSPEED:
+        try:
+            # DeepSpeed logs to stdout (its logger's handler takes sys.stdout when first
+            # imported; its op builder prints): stdout is for the report (`--format json`).
+            with contextlib.redirect_stdout(sys.stderr):
+                import deepspeed
+        except ImportError:
+            raise _Usage("this policy's backend is deepspeed: "
+                         "pip install actcfg[deepspeed]") from None
+    import torch
+
+    before: dict[str, str | None] = {}
+    if not launched:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+               "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+        before = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+    # NCCL wants one GPU per rank, chosen before the group starts; without CUDA (verify's own
+    # check refuses that later), gloo.
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        name = "nccl"
+    else:
+        name = "gloo"
     try:
-        import deepspeed
-    except ImportError:
-        raise _Usage("this policy's backend is deepspeed: pip install actcfg[deepspeed]") from None
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_RANK": "0"}
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        deepspeed.init_distributed(dist_backend="nccl", dist_init_required=True)
-        yield
+        with contextlib.redirect_stdout(sys.stderr):
+            if deepspeed is not None:
+                deepspeed.init_distributed(dist_backend=name, dist_init_required=True)
+            else:
+                dist.init_process_group(name)
+        yield dist.group.WORLD if dist.get_world_size() > 1 else None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -22,10 +22,12 @@ from actcfg.verify import (
     Verdict,
     VerifyReport,
     judge,
+    judge_ranks,
     load_factory,
     verify,
 )
 from actcfg.verify.render import REPORTER_BY_NAME, plot_memory, render_json, render_text
+from actcfg.verify.report import growth_per_block
 
 ROOT = Path(__file__).resolve().parent.parent
 B = 262_144_000  # one block input of the seed chain: 256 x 256 x 2000 fp16
@@ -188,6 +190,110 @@ def test_partition_without_model_parallelism_fails():
         "partition", False,
         "partition is on but the model-parallel size is 1: it shards nothing, and DeepSpeed's "
         "partition path corrupts gradients there")
+
+
+# --- several ranks (torchrun): one verdict per promise over every rank ---------------------------
+
+HALF = tuple(B + i * B // 2 for i in range(10))  # checkpoint memory grows by 1/2 input per block
+PARTITIONED = measured(HALF, mp_size=2, policy_peak=6 * B)
+UNPARTITIONED = measured(GROWING, mp_size=2, policy_peak=12 * B, grads=[GradDiff("0.weight", 0.5)])
+
+
+def test_a_promise_held_on_every_rank_passes_with_rank_0s_numbers():
+    assert judge_ranks(PARTITION, [PARTITIONED, PARTITIONED]) == [
+        Verdict("peak", True, "on all 2 ranks; rank 0: the peak fell from 3.15 GB to 1.57 GB "
+                              "(50% lower)"),
+        Verdict("partition", True, "on all 2 ranks; rank 0: held checkpoint memory grew by "
+                                   "0.13 GB per block, 0.50 of one block input (about 1/2 or less)"),
+        Verdict("gradients", True, "on all 2 ranks; rank 0: gradients match the plain run: max "
+                                   "relative error 0, within the float16 tolerance 1e-02"),
+    ]
+
+
+def test_a_promise_that_failed_on_one_rank_fails_and_names_the_rank():
+    assert judge_ranks(PARTITION, [PARTITIONED, UNPARTITIONED]) == [
+        Verdict("peak", False, "on rank 1 of 2: checkpointing is on but the peak was 3.15 GB, not "
+                               "below the plain run's 3.15 GB: the policy freed no activation "
+                               "memory"),
+        Verdict("partition", False, "on rank 1 of 2: partition is on with model-parallel size 2 "
+                                    "but held checkpoint memory grew by 0.26 GB per block, 1.00 of "
+                                    "one block input instead of about 1/2: the activations were "
+                                    "not partitioned"),
+        Verdict("gradients", False, "on rank 1 of 2: gradients differ from the plain run: max "
+                                    "relative error 0.5 in 0.weight, above the float16 tolerance "
+                                    "1e-02: a saved activation was lost or changed"),
+    ]
+
+
+def test_a_promise_that_failed_on_several_ranks_lists_them_and_gives_the_first_reason():
+    (v,) = [v for v in judge_ranks(PARTITION, [UNPARTITIONED, PARTITIONED, UNPARTITIONED])
+            if v.promise == "partition"]
+    assert v == Verdict("partition", False,
+                        "on ranks 0 and 2 of 3; rank 0: partition is on with model-parallel size 2 "
+                        "but held checkpoint memory grew by 0.26 GB per block, 1.00 of one block "
+                        "input instead of about 1/2: the activations were not partitioned")
+
+
+def test_one_rank_is_judged_as_one_process():
+    assert judge_ranks(PARTITION, [PARTITIONED]) == judge(PARTITION, PARTITIONED)
+
+
+def test_ranks_judged_on_different_promises_are_refused():
+    no_recompute, counted = measured(HALF, mp_size=2), measured(HALF, mp_size=2, recomputes=10)
+    with pytest.raises(VerifyError, match=r"^measurements disagree: rank 1 is judged on peak, "
+                                          r"partition, recompute, gradients but rank 0 on peak, "
+                                          r"partition, gradients$"):
+        judge_ranks(PARTITION, [no_recompute, counted])
+    with pytest.raises(VerifyError, match=r"^no rank sent measurements to judge$"):
+        judge_ranks(PARTITION, [])
+
+
+def test_growth_per_block_is_the_mean_over_the_second_half():
+    assert growth_per_block(HALF) == (B // 2, 5)
+    assert growth_per_block((0, 4)) == (4.0, 0)
+    with pytest.raises(ValueError, match=r"^growth per block needs at least two readings, got 1$"):
+        growth_per_block((5,))
+
+
+def ranks_report(*ranks: Measurements) -> VerifyReport:
+    return VerifyReport(PARTITION, "deepspeed", ranks[0], tuple(judge_ranks(PARTITION, ranks)), ranks)
+
+
+def test_text_report_of_two_ranks_is_one_row_per_rank_and_one_verdict_per_promise():
+    assert render_text(ranks_report(PARTITIONED, UNPARTITIONED)) == """\
+actcfg verify: backend deepspeed, 2 ranks, 10 blocks, float16, 3 steps, model-parallel size 2
+
+rank  plain MiB/block  policy MiB/block  plain peak MiB  policy peak MiB  plain ms  policy ms  offloaded MiB  gradient error
+0               250.0             125.0          3000.0           1500.0     123.4      200.0            n/a               0
+1               250.0             250.0          3000.0           3000.0     123.4      200.0            n/a         5.0e-01
+
+MiB/block: growth of GPU memory held per block over the second half of the blocks
+one block input 250.0 MiB; gradient error: max relative, float16 tolerance 1e-02
+
+FAIL  peak       on rank 1 of 2: checkpointing is on but the peak was 3.15 GB, not below the plain run's 3.15 GB: the policy freed no activation memory
+FAIL  partition  on rank 1 of 2: partition is on with model-parallel size 2 but held checkpoint memory grew by 0.26 GB per block, 1.00 of one block input instead of about 1/2: the activations were not partitioned
+FAIL  gradients  on rank 1 of 2: gradients differ from the plain run: max relative error 0.5 in 0.weight, above the float16 tolerance 1e-02: a saved activation was lost or changed
+"""
+
+
+def test_json_report_of_two_ranks_keeps_rank_0_on_top_and_adds_every_rank():
+    single = json.loads(render_json(report(PARTITION, PARTITIONED, "deepspeed")))
+    data = json.loads(render_json(ranks_report(PARTITIONED, UNPARTITIONED)))
+    assert list(data) == [*single, "world_size", "ranks"]
+    assert data["ok"] is False and data["world_size"] == 2
+    assert {k: data[k] for k in single if k not in ("ok", "verdicts")} == {
+        k: single[k] for k in single if k not in ("ok", "verdicts")}
+    assert [r["rank"] for r in data["ranks"]] == [0, 1]
+    assert {k: v for k, v in data["ranks"][0].items() if k != "rank"} == {
+        k: single[k] for k in data["ranks"][0] if k != "rank"}
+    assert data["ranks"][1]["peak_bytes"] == {"plain": 12 * B, "policy": 12 * B}
+    assert data["ranks"][1]["gradients"]["max_rel_error"] == 0.5
+
+
+def test_plot_of_two_ranks_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    plot_memory(ranks_report(PARTITIONED, UNPARTITIONED), tmp_path / "ranks.png")
+    assert (tmp_path / "ranks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # --- gradients ---------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 `report` holds the plain-data results, `judge` turns measurements into verdicts (no torch),
 `render` prints them (text, JSON, a PNG), `factory` loads `--model pkg.module:factory`,
-`measure` runs both models on the GPU, and `models` holds the bundled probe models. Importing
+`measure` runs both models on the GPU (on each rank under torchrun, gathering the ranks'
+measurements), and `models` holds the bundled probe models. Importing
 this package imports no torch: `verify()` loads it on first use.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from actcfg.verify.factory import DEFAULT_MODEL, load_factory
-from actcfg.verify.judge import FLAT_FRACTION, MIN_BLOCKS, PARTITION_SLACK, judge
+from actcfg.verify.judge import FLAT_FRACTION, MIN_BLOCKS, PARTITION_SLACK, judge, judge_ranks
 from actcfg.verify.report import (
     GRAD_TOLERANCE,
     GradDiff,
@@ -34,6 +35,7 @@ __all__ = [
     "Verdict",
     "VerifyReport",
     "judge",
+    "judge_ranks",
     "load_factory",
     "require_cuda",
     "verify",

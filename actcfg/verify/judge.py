@@ -9,9 +9,16 @@ from collections.abc import Sequence
 
 from actcfg.errors import VerifyError
 from actcfg.schema import Policy
-from actcfg.verify.report import Measurements, Verdict, human_bytes, tolerance, worst_grad
+from actcfg.verify.report import (
+    Measurements,
+    Verdict,
+    growth_per_block,
+    human_bytes,
+    tolerance,
+    worst_grad,
+)
 
-__all__ = ["FLAT_FRACTION", "MIN_BLOCKS", "PARTITION_SLACK", "judge"]
+__all__ = ["FLAT_FRACTION", "MIN_BLOCKS", "PARTITION_SLACK", "judge", "judge_ranks"]
 
 FLAT_FRACTION = 0.05
 """cpu_checkpointing: memory stops growing when it grows by less than this share of one block
@@ -24,16 +31,6 @@ PARTITION_SLACK = 1.25
 MIN_BLOCKS = 4
 """Fewest measured blocks for a growth rate over the second half of the stack."""
 
-def _growth(held: Sequence[int]) -> tuple[float, int]:
-    """Mean growth per block over the second half of the stack, and the half's first index.
-
-    The mean over the span (not a median of steps) so that a policy checkpointing every other
-    block, which grows in alternate steps, still shows its growth.
-    """
-    start = len(held) // 2
-    return (held[-1] - held[start]) / (len(held) - 1 - start), start
-
-
 def _judge_offload(m: Measurements) -> Verdict:
     n = len(m.blocks)
     if n < MIN_BLOCKS:
@@ -41,7 +38,7 @@ def _judge_offload(m: Measurements) -> Verdict:
                        f"cpu_checkpointing cannot be checked on {n} block{'s' * (n != 1)}: "
                        f"it takes at least {MIN_BLOCKS} to see whether GPU memory stops growing")
     one = m.block_input_bytes
-    growth, start = _growth(m.policy.held)
+    growth, start = growth_per_block(m.policy.held)
     span = f"blocks {m.blocks[start]} to {m.blocks[-1]}"
     if m.offloaded_bytes == 0:
         return Verdict("cpu_checkpointing", False,
@@ -96,7 +93,7 @@ def _judge_partition(m: Measurements) -> Verdict:
                        f"partition cannot be checked on {len(m.blocks)} blocks: it takes at "
                        f"least {MIN_BLOCKS}")
     one = m.block_input_bytes
-    growth, _ = _growth(m.policy.held)
+    growth, _ = growth_per_block(m.policy.held)
     limit = PARTITION_SLACK * one / n + FLAT_FRACTION * one
     if growth <= limit:
         return Verdict("partition", True,
@@ -163,4 +160,39 @@ def judge(policy: Policy, measurements: Measurements) -> list[Verdict]:
     if m.recomputes is not None and policy.checkpoint.mode in ("full", "selective"):
         out.append(_judge_recompute(m))
     out.append(_judge_gradients(m))
+    return out
+
+
+def judge_ranks(policy: Policy, ranks: Sequence[Measurements]) -> list[Verdict]:
+    """One verdict per promise over every rank's measurements (imports no torch).
+
+    Each rank is judged as `judge` judges one process (partition: each rank's held checkpoint
+    memory per block is about 1/n of one block input). A promise holds when it held on every
+    rank; the sentence says which ranks it failed on and gives the first one's reason.
+    """
+    if not ranks:
+        raise VerifyError("no rank sent measurements to judge")
+    per_rank = [judge(policy, m) for m in ranks]
+    if len(per_rank) == 1:
+        return per_rank[0]
+    n = len(per_rank)
+    promises = [v.promise for v in per_rank[0]]
+    for rank, verdicts in enumerate(per_rank):
+        if [v.promise for v in verdicts] != promises:
+            raise VerifyError(
+                f"measurements disagree: rank {rank} is judged on "
+                f"{', '.join(v.promise for v in verdicts)} but rank 0 on {', '.join(promises)}")
+    out: list[Verdict] = []
+    for i, promise in enumerate(promises):
+        verdicts = [vs[i] for vs in per_rank]
+        failed = [rank for rank, v in enumerate(verdicts) if not v.ok]
+        if not failed:
+            out.append(Verdict(promise, True, f"on all {n} ranks; rank 0: {verdicts[0].message}"))
+        elif len(failed) == 1:
+            out.append(Verdict(promise, False,
+                               f"on rank {failed[0]} of {n}: {verdicts[failed[0]].message}"))
+        else:
+            which = ", ".join(str(r) for r in failed[:-1]) + f" and {failed[-1]}"
+            out.append(Verdict(promise, False, f"on ranks {which} of {n}; rank {failed[0]}: "
+                                               f"{verdicts[failed[0]].message}"))
     return out

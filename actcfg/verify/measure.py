@@ -1,7 +1,10 @@
 """Measure a model plain and under a policy on the GPU, and judge: `verify()`.
 
-Torch is imported inside the functions, so `import actcfg.verify` stays light. Library code:
-nothing here prints or exits, and no process group is started here (the CLI does that).
+Under torch.distributed with more than one rank (torchrun), each rank measures its own GPU
+(`measure_here`), the ranks exchange their plain-data measurements (`gather_ranks`), and every
+rank judges all of them alike, so all ranks reach the same verdict. Torch is imported inside the
+functions, so `import actcfg.verify` stays light. Library code: nothing here prints or exits,
+and no process group is started here (the CLI does that).
 """
 
 from __future__ import annotations
@@ -13,20 +16,34 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from actcfg.backends import Backend
-from actcfg.errors import VerifyError
+from actcfg.errors import ActcfgError, VerifyError
 from actcfg.verify.factory import build, split_inputs
-from actcfg.verify.judge import judge
+from actcfg.verify.judge import judge_ranks
 from actcfg.verify.report import GradDiff, Measurements, RunMeasurement, VerifyReport
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["STEP_SEED", "default_loss", "require_cuda", "verify"]
+    from actcfg.schema import Policy
+
+__all__ = [
+    "BUILD_SEED",
+    "STEP_SEED",
+    "default_loss",
+    "gather_ranks",
+    "measure_here",
+    "require_cuda",
+    "verify",
+]
 
 STEP_SEED = 1234
 """Step k of both runs starts from seed STEP_SEED + k, so dropout draws the same masks plain and
 under the policy (the caller's RNG state is put back afterwards)."""
+
+BUILD_SEED = STEP_SEED - 1
+"""The seed each model is built under: both builds, and every rank's, draw the same weights and
+example inputs (tensor-parallel ranks hold the same activations; partition relies on it)."""
 
 
 def _fresh(value: Any) -> Any:
@@ -72,14 +89,18 @@ def default_loss(output: Any) -> torch.Tensor:
 # --- measurement (torch, CUDA) ----------------------------------------------------------------
 
 
-def _seed_step(step: int) -> None:
-    """Seed the CPU and every CUDA generator for `step`, the same in the plain and policy runs."""
+def _seed(seed: int) -> None:
+    """Seed the CPU and every CUDA generator."""
     import torch
 
-    seed = STEP_SEED + step
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
+
+
+def _seed_step(step: int) -> None:
+    """Seed the CPU and every CUDA generator for `step`, the same in the plain and policy runs."""
+    _seed(STEP_SEED + step)
 
 
 @contextlib.contextmanager
@@ -268,41 +289,65 @@ def require_cuda() -> None:
                           "torch.cuda.is_available() is False here: run it on a GPU machine")
 
 
-def verify(
+def _world_size(group: Any = None) -> int:
+    """Ranks in `group` (the default group when None); 1 without torch.distributed."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return int(dist.get_world_size(group))
+
+
+def gather_ranks(outcome: Measurements | str, group: Any = None) -> tuple[Measurements, ...]:
+    """Every rank's measurements in rank order, from each rank's `outcome`: its measurements,
+    or the sentence saying why it measured nothing.
+
+    Collective over `group` (the default group): every rank must call it, also a rank that
+    failed, so that none waits for it. Measurements travel as plain data (all_gather_object);
+    with NCCL, the current CUDA device must be this rank's. Raises VerifyError, on every rank
+    alike, when any rank failed. One process: `(outcome,)`.
+    """
+    world = _world_size(group)
+    if world == 1:
+        if isinstance(outcome, str):
+            raise VerifyError(outcome)
+        return (outcome,)
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, outcome, group=group)
+    failed = [(rank, text) for rank, text in enumerate(gathered) if isinstance(text, str)]
+    if failed:
+        rank, text = failed[0]
+        more = "" if len(failed) == 1 else (
+            f" (ranks {', '.join(str(r) for r, _ in failed)} of {world} failed)")
+        raise VerifyError(f"rank {rank} of {world} measured nothing{more}: {text}")
+    return tuple(gathered)
+
+
+def measure_here(
     model_factory: Callable[[], Any],
-    cfg: Any,
+    policy: Policy,
     *,
+    backend: Backend | None = None,
     inputs: Any = None,
     loss_fn: Callable[[Any], Any] | None = None,
     steps: int = 3,
-    backend: Backend | str | None = None,
     mpu: Any = None,
     apply: Callable[..., Any] | None = None,
-) -> VerifyReport:
-    """Run the model plain and with the policy on the same weights and inputs; judge each promise.
-
-    `cfg` is anything `actcfg.load` takes. `inputs` overrides the factory's example inputs;
-    `loss_fn(output) -> scalar` defaults to the fp32 sum of squares of the first output.
-    `apply` replaces `actcfg.runtime.apply` (tests inject broken ones); what it returns must
-    have the `actcfg.runtime.AppliedPolicy` attributes verify reads: `checkpointed`, `offload`,
-    `engine`, `deepspeed`, `counters` and `remove()`. Raises VerifyError without a CUDA GPU:
-    what is measured is GPU memory. A DeepSpeed policy needs torch.distributed initialised
-    (the CLI starts a one-process group when no launcher did).
-    """
-    from actcfg.checker import load
-
-    if steps < 1:
-        raise VerifyError(f"steps must be at least 1, got {steps}")
-    chosen = Backend.parse(backend) if backend is not None else None
-    require_cuda()
-    policy = load(cfg, backends=(chosen,) if chosen is not None else ())
+) -> Measurements:
+    """This process's measurements of the model plain and under `policy` on its current CUDA
+    device, not judged (`verify` takes the parameters' meaning)."""
     if apply is None:
         from actcfg.runtime import apply as default_apply
 
         apply = default_apply
 
-    plain, example = build(model_factory)
-    ours, _ = build(model_factory)
+    with _caller_rng_kept():
+        _seed(BUILD_SEED)
+        plain, example = build(model_factory)
+        _seed(BUILD_SEED)
+        ours, _ = build(model_factory)
     for model in (plain, ours):
         if any(t.device.type != "cuda" for t in [*model.parameters(), *model.buffers()]):
             model.cuda()
@@ -310,7 +355,7 @@ def verify(
     args, kwargs = split_inputs(example if inputs is None else inputs)
     loss = loss_fn or default_loss
 
-    handle = apply(ours, policy, backend=chosen, mpu=mpu)
+    handle = apply(ours, policy, backend=backend, mpu=mpu)
     try:
         mp_size = _mp_size(handle)
         blocks = _blocks(handle, plain)
@@ -332,7 +377,7 @@ def verify(
         offloaded, recomputes = _effect(handle, steps)
     finally:
         handle.remove()
-    measurements = Measurements(
+    return Measurements(
         blocks=blocks,
         block_input_bytes=int(statistics.median(sizes)),
         plain=plain_run,
@@ -346,5 +391,62 @@ def verify(
         offloaded_bytes=offloaded,
         recomputes=recomputes,
     )
+
+
+def verify(
+    model_factory: Callable[[], Any],
+    cfg: Any,
+    *,
+    inputs: Any = None,
+    loss_fn: Callable[[Any], Any] | None = None,
+    steps: int = 3,
+    backend: Backend | str | None = None,
+    mpu: Any = None,
+    apply: Callable[..., Any] | None = None,
+    group: Any = None,
+) -> VerifyReport:
+    """Run the model plain and with the policy on the same weights and inputs; judge each promise.
+
+    `cfg` is anything `actcfg.load` takes. `inputs` overrides the factory's example inputs;
+    `loss_fn(output) -> scalar` defaults to the fp32 sum of squares of the first output.
+    `apply` replaces `actcfg.runtime.apply` (tests inject broken ones); what it returns must
+    have the `actcfg.runtime.AppliedPolicy` attributes verify reads: `checkpointed`, `offload`,
+    `engine`, `deepspeed`, `counters` and `remove()`. Raises VerifyError without a CUDA GPU:
+    what is measured is GPU memory. A DeepSpeed policy needs torch.distributed initialised
+    (the CLI starts a one-process group when no launcher did).
+
+    On a torch.distributed group of more than one rank (`group`, default the whole world),
+    call it on every rank, each with its own current CUDA device: each rank measures, the
+    measurements are gathered, and every rank returns the same report, judged over all ranks
+    (`VerifyReport.ranks`). The model is built under one seed, so every rank holds the same
+    weights and inputs, as tensor-parallel ranks do; for `partition`, pass the model-parallel
+    group as `mpu=`.
+    """
+    from actcfg.checker import load
+
+    if steps < 1:
+        raise VerifyError(f"steps must be at least 1, got {steps}")
+    chosen = Backend.parse(backend) if backend is not None else None
+    require_cuda()
+    policy = load(cfg, backends=(chosen,) if chosen is not None else ())
+    outcome: Measurements | str
+    failure: Exception | None = None
+    if _world_size(group) == 1:
+        outcome = measure_here(model_factory, policy, backend=chosen, inputs=inputs,
+                               loss_fn=loss_fn, steps=steps, mpu=mpu, apply=apply)
+    else:
+        try:
+            outcome = measure_here(model_factory, policy, backend=chosen, inputs=inputs,
+                                   loss_fn=loss_fn, steps=steps, mpu=mpu, apply=apply)
+        except Exception as e:  # every rank must reach the gather, or the others wait forever
+            failure = e
+            outcome = str(e) if isinstance(e, ActcfgError) else f"{type(e).__name__}: {e}"
+    try:
+        ranks = gather_ranks(outcome, group)
+    except VerifyError as e:
+        if failure is not None:
+            raise e from failure  # this rank's own traceback stays attached
+        raise
     used = chosen or policy.backend
-    return VerifyReport(policy, used.value, measurements, tuple(judge(policy, measurements)))
+    return VerifyReport(policy, used.value, ranks[0], tuple(judge_ranks(policy, ranks)),
+                        ranks if len(ranks) > 1 else ())

@@ -11,7 +11,13 @@ import os
 from collections.abc import Callable
 
 from actcfg.errors import VerifyError
-from actcfg.verify.report import VerifyReport, tolerance, worst_grad
+from actcfg.verify.report import (
+    Measurements,
+    VerifyReport,
+    growth_per_block,
+    tolerance,
+    worst_grad,
+)
 
 __all__ = ["REPORTER_BY_NAME", "plot_memory", "render_json", "render_text", "require_plotting"]
 
@@ -40,7 +46,9 @@ def _table(rows: list[tuple[str, ...]], *, numbers: bool = True) -> list[str]:
 
 def render_text(report: VerifyReport) -> str:
     """Memory held per block (plain vs policy), then peak, time, host memory, gradient error,
-    then one PASS/FAIL line per promise."""
+    then one PASS/FAIL line per promise. With several ranks, one row per rank instead."""
+    if report.ranks:
+        return _render_ranks(report)
     m = report.measurements
     lines = [
         f"actcfg verify: backend {report.backend}, {len(m.blocks)} blocks, {m.dtype}, "
@@ -72,9 +80,58 @@ def render_text(report: VerifyReport) -> str:
         ("gradient error", grad),
     ], numbers=False)
     lines.append("")
+    lines += _verdict_lines(report)
+    return "\n".join(lines) + "\n"
+
+
+def _verdict_lines(report: VerifyReport) -> list[str]:
     width = max((len(v.promise) for v in report.verdicts), default=0)
-    lines += [f"{'PASS' if v.ok else 'FAIL'}  {v.promise.ljust(width)}  {v.message}"
-              for v in report.verdicts]
+    return [f"{'PASS' if v.ok else 'FAIL'}  {v.promise.ljust(width)}  {v.message}"
+            for v in report.verdicts]
+
+
+def _per_block(held: tuple[int, ...]) -> str:
+    return _mib(growth_per_block(held)[0]) if len(held) >= 2 else "n/a"
+
+
+def _grad_cell(m: Measurements) -> str:
+    worst = worst_grad(m.grads)
+    if worst is None:
+        return "none"
+    if worst.note is not None:
+        return "not comparable"
+    return "0" if worst.error == 0 else f"{worst.error:.1e}"
+
+
+def _render_ranks(report: VerifyReport) -> str:
+    """One row per rank: memory held per block (growth over the second half of the blocks, as
+    judged), peaks, step times, bytes offloaded and the worst gradient error."""
+    ranks = report.ranks
+    first = ranks[0]
+    sizes = [m.mp_size for m in ranks]
+    if len(set(sizes)) > 1:
+        mp_text = ", model-parallel sizes " + "/".join(str(n) for n in sizes)
+    else:
+        mp_text = f", model-parallel size {sizes[0]}" if sizes[0] > 1 else ""
+    lines = [
+        f"actcfg verify: backend {report.backend}, {len(ranks)} ranks, {len(first.blocks)} blocks, "
+        f"{first.dtype}, {first.steps} step{'s' * (first.steps != 1)}{mp_text}",
+        "",
+        *_table([("rank", "plain MiB/block", "policy MiB/block", "plain peak MiB",
+                  "policy peak MiB", "plain ms", "policy ms", "offloaded MiB", "gradient error"),
+                 *((str(rank), _per_block(m.plain.held), _per_block(m.policy.held),
+                    _mib(m.plain.peak), _mib(m.policy.peak), f"{m.plain.step_time_s * 1000:.1f}",
+                    f"{m.policy.step_time_s * 1000:.1f}",
+                    "n/a" if m.offloaded_bytes is None else _mib(m.offloaded_bytes),
+                    _grad_cell(m))
+                   for rank, m in enumerate(ranks))]),
+        "",
+        "MiB/block: growth of GPU memory held per block over the second half of the blocks",
+        f"one block input {_mib(first.block_input_bytes)} MiB; gradient error: max relative, "
+        f"{first.dtype} tolerance {tolerance(first.dtype):.0e}",
+        "",
+        *_verdict_lines(report),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -102,7 +159,8 @@ def require_plotting() -> None:
 
 
 def plot_memory(report: VerifyReport, path: str | os.PathLike[str]) -> None:
-    """Write a PNG of GPU memory held after each block, plain vs policy."""
+    """Write a PNG of GPU memory held after each block, plain vs policy (rank 0's plain run and
+    each rank's policy run when several ranks measured)."""
     try:
         from matplotlib.figure import Figure
     except ImportError as e:
@@ -113,7 +171,11 @@ def plot_memory(report: VerifyReport, path: str | os.PathLike[str]) -> None:
     ax = fig.add_subplot()
     x = range(len(m.blocks))
     ax.plot(x, [b / _MIB for b in m.plain.held], marker="o", label="plain")
-    ax.plot(x, [b / _MIB for b in m.policy.held], marker="o", label="policy")
+    if report.ranks:
+        for rank, r in enumerate(report.ranks):
+            ax.plot(x, [b / _MIB for b in r.policy.held], marker="o", label=f"policy, rank {rank}")
+    else:
+        ax.plot(x, [b / _MIB for b in m.policy.held], marker="o", label="policy")
     ax.set_xticks(list(x), list(m.blocks), rotation=45 if len(m.blocks) > 12 else 0)
     ax.set_xlabel("block (forward order)")
     ax.set_ylabel("GPU memory held after the block (MiB)")

@@ -16,6 +16,7 @@ __all__ = [
     "RunMeasurement",
     "Verdict",
     "VerifyReport",
+    "growth_per_block",
     "human_bytes",
     "tolerance",
     "worst_grad",
@@ -109,42 +110,77 @@ class VerifyReport:
     policy: Policy
     backend: str
     measurements: Measurements
+    """This process's measurements; rank 0's when several ranks measured (see `ranks`)."""
     verdicts: tuple[Verdict, ...] = field(default=())
+    """One per promise; with several ranks, a promise holds only where it held on every rank."""
+    ranks: tuple[Measurements, ...] = ()
+    """Every rank's measurements in rank order, when verify ran on a torch.distributed group of
+    more than one rank (under torchrun); empty in one process."""
 
     @property
     def ok(self) -> bool:
         """True when every promise held."""
         return all(v.ok for v in self.verdicts)
 
+    @property
+    def world_size(self) -> int:
+        """How many ranks measured."""
+        return max(1, len(self.ranks))
+
     def to_dict(self) -> dict[str, Any]:
-        """The report as JSON-able data (non-finite numbers become null)."""
+        """The report as JSON-able data (non-finite numbers become null). With several ranks,
+        the top level holds rank 0's numbers and `ranks` each rank's."""
         m = self.measurements
-        worst = worst_grad(m.grads)
-        return {
+        out: dict[str, Any] = {
             "ok": self.ok,
             "backend": self.backend,
             "policy": self.policy.model_dump(mode="json"),
             "dtype": m.dtype,
             "steps": m.steps,
-            "mp_size": m.mp_size,
-            "block_input_bytes": m.block_input_bytes,
-            "blocks": [
-                {"name": name, "plain_held_bytes": p, "policy_held_bytes": q}
-                for name, p, q in zip(m.blocks, m.plain.held, m.policy.held)
-            ],
-            "peak_bytes": {"plain": m.plain.peak, "policy": m.policy.peak},
-            "step_time_s": {"plain": m.plain.step_time_s, "policy": m.policy.step_time_s},
-            "host_bytes": {"pinned": m.host_pinned_bytes, "pageable": m.host_pageable_bytes},
-            "gradients": {
-                "max_rel_error": _finite(worst.error) if worst else 0.0,
-                "parameter": worst.name if worst else None,
-                "tolerance": tolerance(m.dtype),
-                "parameters": [
-                    {**asdict(g), "error": _finite(g.error)} for g in m.grads
-                ],
-            },
+            **_numbers(m),
             "verdicts": [asdict(v) for v in self.verdicts],
         }
+        if self.ranks:
+            out["world_size"] = self.world_size
+            out["ranks"] = [{"rank": rank, **_numbers(r)} for rank, r in enumerate(self.ranks)]
+        return out
+
+
+def _numbers(m: Measurements) -> dict[str, Any]:
+    """One rank's measurements as JSON-able data (the part that differs between ranks)."""
+    worst = worst_grad(m.grads)
+    return {
+        "mp_size": m.mp_size,
+        "block_input_bytes": m.block_input_bytes,
+        "blocks": [
+            {"name": name, "plain_held_bytes": p, "policy_held_bytes": q}
+            for name, p, q in zip(m.blocks, m.plain.held, m.policy.held)
+        ],
+        "peak_bytes": {"plain": m.plain.peak, "policy": m.policy.peak},
+        "step_time_s": {"plain": m.plain.step_time_s, "policy": m.policy.step_time_s},
+        "host_bytes": {"pinned": m.host_pinned_bytes, "pageable": m.host_pageable_bytes},
+        "gradients": {
+            "max_rel_error": _finite(worst.error) if worst else 0.0,
+            "parameter": worst.name if worst else None,
+            "tolerance": tolerance(m.dtype),
+            "parameters": [
+                {**asdict(g), "error": _finite(g.error)} for g in m.grads
+            ],
+        },
+    }
+
+
+def growth_per_block(held: Sequence[int]) -> tuple[float, int]:
+    """Mean growth of memory held per block over the second half of the stack, and the index
+    where that half starts (at least two readings).
+
+    The mean over the span (not a median of steps) so that a policy checkpointing every other
+    block, which grows in alternate steps, still shows its growth.
+    """
+    if len(held) < 2:
+        raise ValueError(f"growth per block needs at least two readings, got {len(held)}")
+    start = min(len(held) // 2, len(held) - 2)
+    return (held[-1] - held[start]) / (len(held) - 1 - start), start
 
 
 def _finite(x: float) -> float | None:
