@@ -34,6 +34,9 @@ FOREIGN_NAMES: dict[str, tuple[str, str]] = {
         "num_checkpoints", "Megatron's --num-layers, from which Megatron-DeepSpeed derives number_checkpoints"
     ),
     "synchronize_checkpoint_boundary": ("synchronize", _DS_JSON),
+    "contigious_checkpointing": (
+        "contiguous", "Megatron-DeepSpeed's misspelt --contigious-checkpointing flag"
+    ),
     "synchronize_each_layer": ("synchronize", "Megatron-DeepSpeed's --synchronize-each-layer"),
     "profile_backward": ("profile", "Megatron-DeepSpeed's --profile-backward"),
     # torch, Hugging Face, Lightning, torchtune, torchtitan, Megatron-Core, NeMo, Composer, Axolotl

@@ -28,6 +28,7 @@ from actcfg.backends.deepspeed import SECTION, TABLE
 from actcfg.backends.table import Key
 from actcfg.errors import TranslationError
 from actcfg.schema import MODULES_PLACEHOLDER, Finding, Policy, check_rules
+from actcfg.suggest import FOREIGN_NAMES
 
 __all__ = [
     "ALIASES",
@@ -48,21 +49,23 @@ _KEYS = tuple(_FIELD_BY_KEY)
 _COUNT = "number_checkpoints"
 _CONTIGUOUS = "contiguous_memory_optimization"
 
-# Names that look right but that DeepSpeed's section ignores, and where they come from.
-ALIASES: dict[str, tuple[str, str]] = {
-    "checkpoint_in_cpu": ("cpu_checkpointing", "the configure() keyword argument name"),
-    "partitioned_activations": ("partition_activations",
-                                "the stale ACTIVATION_CHKPT_FORMAT text in DeepSpeed's config.py"),
-    "partition_activation": ("partition_activations", "DeepSpeed's Megatron tutorial"),
-    "contiguous_checkpointing": ("contiguous_memory_optimization",
-                                 "the configure() keyword argument name"),
-    "contigious_checkpointing": ("contiguous_memory_optimization",
-                                 "Megatron-DeepSpeed's misspelt flag"),
-    "num_checkpoints": ("number_checkpoints", "the configure() keyword argument name"),
-    "synchronize": ("synchronize_checkpoint_boundary", "the configure() keyword argument name"),
-    "cpu_offload": ("cpu_checkpointing", "other tools' offload flags"),
-    "offload": ("cpu_checkpointing", "other tools' offload flags"),
-}
+def _aliases() -> dict[str, tuple[str, str]]:
+    """Names that look right in a ds_config section but that DeepSpeed ignores: each
+    configure() keyword whose JSON key differs, and every foreign name of suggest.py whose
+    actcfg field DeepSpeed reads under a JSON key (one table of foreign names, two readers)."""
+    out: dict[str, tuple[str, str]] = {
+        e.kwarg: (e.key, "the configure() keyword argument name")
+        for e in TABLE.values() if isinstance(e, Key) and e.kwarg and e.kwarg != e.key
+    }
+    for name, (target, origin) in FOREIGN_NAMES.items():
+        entry = TABLE.get(target)
+        if isinstance(entry, Key) and entry.key != name and name not in out:
+            out[name] = (entry.key, origin)
+    return out
+
+
+ALIASES: dict[str, tuple[str, str]] = _aliases()
+"""ds_config name DeepSpeed ignores -> (the JSON key it reads, where the name comes from)."""
 
 NEOX_FLAGS: dict[str, str] = {
     "partition_activations": "partition",
