@@ -21,7 +21,7 @@ try:
 except ImportError:  # pytest's rootdir-relative import mode
     from _deepspeed_env import ds_env, ds_globals
 
-from actcfg import _apply_deepspeed as _deepspeed_route
+from actcfg import _apply_deepspeed
 from actcfg.errors import PolicyApplyError
 from actcfg.probes import blocks, linear_chain
 from actcfg.runtime import apply, mpu_from_group
@@ -60,7 +60,7 @@ def ckpt(ds_env):
     """DeepSpeed's checkpointing module, reset to defaults around each test."""
     ds_env._configure_defaults()
     yield ds_env
-    assert _deepspeed_route._LIVE == [], "a test left a DeepSpeed policy applied"
+    assert _apply_deepspeed._LIVE == [], "a test left a DeepSpeed policy applied"
     ds_env._configure_defaults()
 
 
@@ -197,11 +197,11 @@ def test_alias_guard_keeps_the_callers_tensor_when_deepspeed_empties_its_input(c
 
 def test_alias_is_not_a_view_so_it_holds_no_reference_to_the_caller():
     x = torch.randn(4, requires_grad=True) * 1.0
-    alias = _deepspeed_route.fresh_alias(x)
+    alias = _apply_deepspeed.fresh_alias(x)
     assert alias is not x and alias._base is None and alias.data_ptr() == x.data_ptr()
     alias.data = torch.empty([]).data
     assert x.shape == (4,)
-    alias2 = _deepspeed_route.fresh_alias(x)
+    alias2 = _apply_deepspeed.fresh_alias(x)
     alias2.sum().backward()
     assert alias2.grad_fn is not None
 
@@ -245,7 +245,7 @@ def test_two_policies_on_the_same_group_share_deepspeed(ckpt):
     a, _ = small_blocks()
     b, _ = small_blocks()
     with apply(a, ds_policy(), mpu=dist.group.WORLD), apply(b, ds_policy(), mpu=dist.group.WORLD):
-        assert len(_deepspeed_route._LIVE) == 2
+        assert len(_apply_deepspeed._LIVE) == 2
     assert ckpt.mpu is None
 
 
@@ -339,7 +339,7 @@ def test_a_configure_that_fails_half_way_is_undone(ckpt, monkeypatch):
                        r"policy: AssertionError\('Must specify the number of layers"):
         apply(model, ds_policy())
     assert ds_globals(ckpt) == {**DEFAULTS, "synchronize": True}
-    assert _deepspeed_route._LIVE == []
+    assert _apply_deepspeed._LIVE == []
 
 
 def test_no_grad_forward_bypasses_deepspeed(ckpt, monkeypatch):
