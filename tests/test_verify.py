@@ -444,6 +444,15 @@ def test_plot_writes_a_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_replaces_an_earlier_png_whole_and_leaves_no_temporary_file(tmp_path):
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "memory.png"
+    target.write_bytes(b"an earlier plot")
+    plot_memory(report(), target)
+    assert target.read_bytes().startswith(b"\x89PNG")
+    assert [p.name for p in tmp_path.iterdir()] == ["memory.png"]
+
+
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)

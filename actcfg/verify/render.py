@@ -5,9 +5,11 @@ No torch; matplotlib is imported only by `plot_memory` (the `plot` extra).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import tempfile
 from collections.abc import Callable
 
 from actcfg.errors import VerifyError
@@ -185,7 +187,19 @@ def plot_memory(report: VerifyReport, path: str | os.PathLike[str]) -> None:
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend()
+    # Into a temporary file beside the target, then one rename: a failed write (disk full)
+    # never leaves a half-written PNG where an earlier one was.
+    target = os.fspath(path)
     try:
-        fig.savefig(os.fspath(path), format="png", dpi=120)
+        fd, partial = tempfile.mkstemp(prefix=".actcfg-", suffix=".png",
+                                       dir=os.path.dirname(os.path.abspath(target)))
     except OSError as e:
-        raise VerifyError(f"--plot: cannot write {os.fspath(path)}: {e.strerror or e}") from e
+        raise VerifyError(f"--plot: cannot write {target}: {e.strerror or e}") from e
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            fig.savefig(handle, format="png", dpi=120)
+        os.replace(partial, target)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+        raise VerifyError(f"--plot: cannot write {target}: {e.strerror or e}") from e
