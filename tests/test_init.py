@@ -23,3 +23,19 @@ def test_import_loads_neither_torch_nor_deepspeed():
         capture_output=True, text=True, check=True,
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_ci_runs_exactly_the_readmes_test_command():
+    """README's second command is what CI runs (.ci/run): one command, in both places."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    block = readme.split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [line for line in block.splitlines() if line and not line.startswith("#")]
+    assert len(commands) == 2
+    ci = [line for line in (root / ".ci" / "run").read_text().splitlines()
+          if line and not line.startswith(("#", "set ", "cd "))]
+    assert ci == [commands[1]]
+    for extra in ("hf", "lightning", "deepspeed", "test"):  # the stacks the tests go through
+        assert extra in commands[1].split("'")[1]
