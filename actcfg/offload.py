@@ -7,10 +7,17 @@ fastest offload runtimes do (../shared/reference/BACKENDS.md section 3):
   (`mark_group`, called at each block boundary), the previous group is copied to the host on a
   side stream, ordered after its producers by an event. At most `max_inflight` groups are in
   flight: past that the compute stream waits for the oldest copy, so GPU memory held per block
-  stays flat. The last group of a forward never leaves the GPU: backward needs it first; at the
-  end of forward the other groups' copies are waited for, so backward starts from that one.
-* Backward. Unpacking a tensor of group g makes sure g is on the GPU, then starts the reload of the
-  next offloaded group below g on a second side stream, so that copy overlaps g's backward.
+  stays flat. The group still open at the end of a forward never leaves the GPU (backward needs
+  it first), nor do the last `keep_last` groups marked for offload (known from the step before;
+  in the first step, those whose copies are still in flight at the end); the other copies are
+  waited for at the end of forward.
+* Per-module choices (`checkpoint.mode: rules`): `mark_group(offload=False)` opens a group whose
+  tensors stay on the device (they are counted), and `end_group()` closes a group at a module's
+  exit, so that what the modules between two groups save stays on the device too.
+* Backward. Unpacking a tensor of group g (offloaded or not) makes sure g is on the GPU, then
+  starts the reload of the group just below g, if it was offloaded, on a second side stream, so
+  that copy overlaps g's backward (`prefetch` groups ahead; the gaps `end_group` opens between
+  groups do not count).
 * Host memory comes from a pool reused across steps: page-locked (pinned) buffers registered with
   `cudaHostRegister` at their exact size (torch's pinned allocator rounds every request up to a
   power of two), never more than `pin_budget` in total; past it, or if pinning fails, pageable
@@ -109,17 +116,33 @@ class OffloadStats:
     offloaded_tensors: int = 0
     """Storages copied to the host in the last step (views of one storage travel together)."""
     kept_bytes: int = 0
-    """Bytes of the last group of the last step, kept on the GPU for backward."""
+    """Bytes of the groups marked for offload that stayed on the GPU at the forward/backward
+    turn in the last step: the group open at the end, and the last `keep_last` ones."""
+    kept_by_rule_bytes: int = 0
+    """Bytes saved in the last step inside groups marked `offload=False` and in the gaps between
+    groups: they stay on the device by the policy's choice."""
+    group_offloaded_bytes: list[int] | None = None
+    """Bytes each group of the last step moved to the host, by group index (0: the group open
+    when the step began); 0 for a group that stayed on the device."""
+    group_kept_bytes: list[int] | None = None
+    """Bytes saved in each group of the last step that stayed on the device (kept by rule, at the
+    turn, or under `min_offload_bytes` and the other rules of `_stays`)."""
     reloaded_bytes: int = 0
     """Bytes copied back to the GPU in the last backward."""
     late_reloads: int = 0
     """Storages in the last backward whose reload was not prefetched (started only when needed)."""
     kept_views: int = 0
     """Saved views of a storage over 4x their size, left on the GPU in the last step."""
+    copy_waits: int = 0
+    """Times the compute stream waited for a copy to the host in the last step (at a group
+    boundary with `max_inflight` copies running, or at the turn): copy time compute did not hide."""
+    most_inflight: int = 0
+    """Most copies to the host in flight at once in the last step (at most `max_inflight`)."""
 
     def as_dict(self) -> dict[str, Any]:
         """The counters as JSON-able data."""
-        return {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(self).items()}
+        return {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
+                for k, v in vars(self).items()}
 
 
 # --- copies: CUDA streams, or synchronous copies on the host ------------------------------------
@@ -273,15 +296,17 @@ def _version(tensor: torch.Tensor) -> int | None:
 
 
 class _Kept:
-    """A saved tensor that stays where it is, checked for in-place changes on unpack."""
+    """A saved tensor that stays where it is, checked for in-place changes on unpack; its group
+    (None outside a step) tells backward which reload to start when it is unpacked."""
 
-    __slots__ = ("tensor", "version")
+    __slots__ = ("tensor", "version", "group")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, group: _Group | None = None) -> None:
         # detach(): holding the tensor with its grad_fn would make a reference cycle through
         # the graph that saved it. It shares the version counter, so changes still show.
         self.tensor = tensor.detach()
         self.version = _version(tensor)
+        self.group = group
 
 
 class _Step:
@@ -289,17 +314,22 @@ class _Step:
 
     def __init__(self) -> None:
         self.groups: list[weakref.ref[_Group]] = []
+        self.open_groups: list[_Group] = []  # strong while the forward runs (empty ones count)
 
 
 class _Group:
     """The storages saved between two block boundaries; they travel together."""
 
-    def __init__(self, step: _Step, index: int) -> None:
+    def __init__(self, step: _Step, index: int, offload: bool, gap: bool, rank: int) -> None:
         self.step = step
         self.index = index
+        self.offload = offload  # marked for offload (False: its tensors stay on the device)
+        self.gap = gap  # between two groups (end_group): stays, and does not count for prefetch
+        self.rank = rank  # how many groups marked for offload opened before it in this step
         self.chunks: list[weakref.ref[_Chunk]] = []
-        self.offloaded = False  # copies to the host were launched
-        self.kept = False  # last group of its forward: never offloaded
+        self.offloaded = False  # copies to the host were launched and not kept at the turn
+        self.kept = False  # stayed on the device at the forward/backward turn
+        self.kept_bytes = 0  # bytes saved in it that stay on the device
         self.d2h_done: Any = None
         self.h2d_done: Any = None
 
@@ -402,6 +432,18 @@ class OffloadEngine:
     Use `step()` around one forward pass and `mark_group()` at each block boundary inside it;
     the runtime (`actcfg.apply`) does both. Without any `mark_group()` every tensor stays in the
     one (last) group, nothing is offloaded, and the step warns.
+
+    What the two scheduling knobs cost on the GPU:
+
+    * `max_inflight`: groups whose copies to the host may run at once. Each one in flight keeps
+      its device memory until its copy is done, so memory held during forward grows by up to
+      that many groups; in exchange, compute waits less when one group's copy is longer than the
+      next group's compute. Copies share one stream, so past one group it buys time only when
+      group sizes are uneven.
+    * `keep_last`: groups marked for offload that stay on the device at the forward/backward
+      turn, from the last one back. Each costs its group's device memory at the turn (the peak,
+      for most models), and saves its copy both ways, which at the turn nothing hides: backward
+      needs the newest groups first.
     """
 
     def __init__(
@@ -412,8 +454,13 @@ class OffloadEngine:
         min_offload_bytes: int = 1 << 20,
         max_inflight: int = 1,
         prefetch: int = 1,
+        keep_last: int = 1,
         device: torch.device | str | None = None,
     ) -> None:
+        if max_inflight < 1 or keep_last < 0 or prefetch < 0:
+            raise OffloadError(
+                f"offload engine: max_inflight must be at least 1 (got {max_inflight}), keep_last "
+                f"at least 0 (got {keep_last}) and prefetch at least 0 (got {prefetch})")
         if device is None:
             device = (torch.device("cuda", torch.cuda.current_device())
                       if torch.cuda.is_available() else torch.device("cpu"))
@@ -431,6 +478,11 @@ class OffloadEngine:
         self.min_offload_bytes = min_offload_bytes
         self.max_inflight = max_inflight
         self.prefetch = prefetch
+        self.keep_last = keep_last
+        # Groups marked for offload in the last step: which of them are "the last keep_last"
+        # is known only from a step before (steps repeat); None until a step has ended.
+        self._offload_groups_last_step: int | None = None
+        self._offload_groups = 0
         self._stats = OffloadStats()
         # Pinning is a CUDA registration: the host loopback copies between pageable buffers.
         self._pool = _HostPool(pin and self.device.type == "cuda", pin_budget, self._stats)
@@ -484,16 +536,43 @@ class OffloadEngine:
         self._begin_step()
 
     @torch.compiler.disable
-    def mark_group(self) -> None:
-        """A block boundary: start offloading the group saved so far, open a new one."""
+    def mark_group(self, offload: bool = True) -> int | None:
+        """A block boundary: start offloading the group saved so far (if it is marked for
+        offload and not among the last `keep_last`), open a new one. `offload=False`: the new
+        group's tensors stay on the device (counted in `kept_by_rule_bytes`). Returns the new
+        group's index, or None outside this thread's step."""
         if self._step is None or self._owner != threading.get_ident():
+            return None
+        return self._open_group(offload, gap=False)
+
+    @torch.compiler.disable
+    def end_group(self) -> None:
+        """A block's exit: close its group as `mark_group` would, and keep on the device what is
+        saved from here to the next group (the modules between groups)."""
+        if self._step is None or self._owner != threading.get_ident():
+            return
+        self._open_group(False, gap=True)
+
+    def _open_group(self, offload: bool, gap: bool) -> int:
+        # Copies already done give their device memory back now, not at the next launch: an
+        # offloaded block followed by kept ones must not stay resident until the turn.
+        self._retire(keep=self.max_inflight)
+        group, self._open = self._open, self._new_group(offload, gap)
+        if group is not None:
+            self._close(group)
+        return self._open.index
+
+    def _close(self, group: _Group) -> None:
+        if not (group.offload and group.live()):
+            return
+        expected = self._offload_groups_last_step
+        if expected is not None and group.rank >= expected - self.keep_last:
+            group.kept = True  # among the last keep_last: it stays for backward, which needs it first
             return
         # Room for the group about to leave: at most `max_inflight` copies run at once, which
         # bounds the device memory held above flat to that many groups.
         self._retire(keep=self.max_inflight - 1)
-        group, self._open = self._open, self._new_group()
-        if group is not None and group.live():
-            self._launch_offload(group)
+        self._launch_offload(group)
 
     def _begin_step(self) -> None:
         # Whatever an earlier step left in flight (a forward that raised, say) is settled first.
@@ -506,24 +585,52 @@ class OffloadEngine:
                         self._buffers.add(b.untyped_storage().data_ptr())
         st = self._stats
         st.steps += 1
-        st.offloaded_bytes = st.offloaded_tensors = st.kept_bytes = 0
-        st.reloaded_bytes = st.late_reloads = st.kept_views = 0
+        st.offloaded_bytes = st.offloaded_tensors = st.kept_bytes = st.kept_by_rule_bytes = 0
+        st.reloaded_bytes = st.late_reloads = st.kept_views = st.copy_waits = st.most_inflight = 0
         st.packed_tensors = st.packed_bytes = st.groups = 0
         st.kept_bytes_by_reason = {}
+        st.group_offloaded_bytes, st.group_kept_bytes = [], []
         self._step = _Step()
         self._owner = threading.get_ident()
-        self._open = self._new_group()
+        self._offload_groups = 0
+        self._open = self._new_group(True, gap=False)
         self._chunks = {}
 
     def _end_step(self, *, judge: bool) -> None:
-        # Only the last group stays on the device: the copies still in flight are waited for (on
-        # the compute stream) and their memory released, so backward starts from one block.
+        # The copies still in flight are waited for (on the compute stream) and their memory
+        # released, so backward starts from the groups that stay: the one still open and, of
+        # those marked for offload, the last keep_last (in the first step, the ones in flight).
+        turn = self._offload_groups - self.keep_last
+        stay = [g for g in self._inflight if g.rank >= turn]
+        for group in stay:
+            # No wait: its device memory stays in use (backward reads it there); only its reuse
+            # after backward must follow the copy still reading it.
+            for chunk in group.live():
+                if chunk.gpu is not None:
+                    self._copies.record(chunk.gpu, self._copies.d2h)
+            group.offloaded, group.kept = False, True
+        self._inflight = deque(g for g in self._inflight if g not in stay)
         self._retire(keep=0)
-        group = self._open
-        if group is not None:
-            group.kept = True
-            self._stats.kept_bytes = sum(c.nbytes for c in group.live())
-        self._stats.groups = len(self._step.groups) if self._step is not None else 0
+        st = self._stats
+        open_group = self._open
+        if open_group is not None:
+            open_group.kept = True
+        groups = [g() for g in self._step.groups] if self._step is not None else []
+        for group in groups:
+            if group is None:
+                st.group_offloaded_bytes.append(0)
+                st.group_kept_bytes.append(0)
+                continue
+            moved = sum(c.nbytes for c in group.live()) if group.offloaded else 0
+            stayed = group.kept_bytes + (0 if group.offloaded else sum(c.nbytes for c in group.live()))
+            st.group_offloaded_bytes.append(moved)
+            st.group_kept_bytes.append(stayed)
+            if group.kept and group.offload:
+                st.kept_bytes += sum(c.nbytes for c in group.live())
+        st.groups = len(groups)
+        self._offload_groups_last_step = self._offload_groups
+        if self._step is not None:
+            self._step.open_groups = []  # from here each group lives as long as its tensors
         self._step = self._open = None
         self._owner = None
         self._chunks = {}
@@ -545,6 +652,10 @@ class OffloadEngine:
         elif st.kept_bytes >= self.min_offload_bytes:
             why = (f"the only offloadable activations ({_mb(st.kept_bytes)}) were saved in the last "
                    "group, which stays on the GPU for backward")
+        elif st.kept_by_rule_bytes and st.kept_by_rule_bytes >= st.packed_bytes - st.kept_bytes:
+            why = (f"{_mb(st.kept_by_rule_bytes)} of saved activations stayed in groups the policy "
+                   "keeps on the device, and the groups marked for offload saved nothing to move "
+                   "(are the modules whose rule offloads ever called?)")
         elif st.kept_bytes_by_reason:
             reasons = ", ".join(f"{_mb(n)} as {r}" for r, n in sorted(st.kept_bytes_by_reason.items()))
             why = f"every large saved tensor stays in place by rule ({reasons})"
@@ -555,9 +666,13 @@ class OffloadEngine:
         warnings.warn(f"actcfg offload: a training forward offloaded nothing: {why}.",
                       OffloadWarning, stacklevel=4)
 
-    def _new_group(self) -> _Group:
-        group = _Group(self._step, len(self._step.groups))
+    def _new_group(self, offload: bool, gap: bool) -> _Group:
+        group = _Group(self._step, len(self._step.groups), offload, gap, self._offload_groups)
+        if offload:
+            self._offload_groups += 1
+        # Strongly held by the step while it runs (an empty group must still count), weakly after.
         self._step.groups.append(weakref.ref(group))
+        self._step.open_groups.append(group)
         return group
 
     @torch.compiler.disable
@@ -566,12 +681,21 @@ class OffloadEngine:
         st = self._stats
         st.packed_tensors += 1
         st.packed_bytes += nbytes
-        if nbytes < self.min_offload_bytes or self._step is None:
+        group = self._open
+        if self._step is None or group is None:
             return _Kept(tensor)
+        if not group.offload:  # kept by the policy's choice (a rule, or a gap between groups)
+            group.kept_bytes += nbytes
+            st.kept_by_rule_bytes += nbytes
+            return _Kept(tensor, group)
+        if nbytes < self.min_offload_bytes:
+            group.kept_bytes += nbytes
+            return _Kept(tensor, group)
         reason = _stays(tensor, self.device, self._buffers)
         if reason is not None:
             st.kept_bytes_by_reason[reason] = st.kept_bytes_by_reason.get(reason, 0) + nbytes
-            return _Kept(tensor)
+            group.kept_bytes += nbytes
+            return _Kept(tensor, group)
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
         chunk = self._chunks.get(ptr)
@@ -581,9 +705,10 @@ class OffloadEngine:
                 # data, and a copy of the view alone would change its layout. It stays.
                 st.kept_views += 1
                 st.kept_bytes_by_reason["view"] = st.kept_bytes_by_reason.get("view", 0) + nbytes
-                return _Kept(tensor)
-            chunk = _Chunk(tensor, self._open, self._pool)
-            self._open.chunks.append(weakref.ref(chunk))
+                group.kept_bytes += nbytes
+                return _Kept(tensor, group)
+            chunk = _Chunk(tensor, group, self._pool)
+            group.chunks.append(weakref.ref(chunk))
             self._chunks[ptr] = chunk
         saved = _Saved(tensor, chunk)
         chunk.views.append(weakref.ref(saved))
@@ -612,6 +737,7 @@ class OffloadEngine:
             chunk.last_reader = group.d2h_done
         group.offloaded = True
         self._inflight.append(group)
+        st.most_inflight = max(st.most_inflight, len(self._inflight))
 
     def _retire(self, *, keep: int) -> None:
         """Drop the device copies of groups whose host copy is done, then wait (on the compute
@@ -624,6 +750,7 @@ class OffloadEngine:
                     break
                 # Later compute-stream work may reuse this memory only after the copy has read it.
                 compute.wait_event(group.d2h_done)
+                self._stats.copy_waits += 1
             self._inflight.popleft()
             for chunk in group.live():
                 if chunk.host is not None:
@@ -634,6 +761,8 @@ class OffloadEngine:
     @torch.compiler.disable
     def _unpack(self, packed: _Saved | _Kept) -> torch.Tensor:
         if isinstance(packed, _Kept):
+            if packed.group is not None:
+                self._prefetch_below(packed.group)
             if packed.version is not None and packed.tensor._version != packed.version:
                 raise _modified_error(packed.tensor.size(), packed.tensor.dtype)
             return packed.tensor
@@ -653,17 +782,20 @@ class OffloadEngine:
         return saved.on(chunk.reloaded)
 
     def _prefetch_below(self, group: _Group) -> None:
+        """Start the reloads of the `prefetch` groups just below `group`, where offloaded; the
+        gaps between groups are passed over, not counted, so a reload starts one block ahead
+        (never earlier, which would hold its memory through the blocks between)."""
         groups = group.step.groups
         wanted = self.prefetch
         for i in range(group.index - 1, -1, -1):
             if wanted <= 0:
                 return
             below = groups[i]()
-            if below is None or not below.offloaded:
+            if below is not None and below.gap:
                 continue
-            if below.h2d_done is None:
-                self._reload(below)
             wanted -= 1
+            if below is not None and below.offloaded and below.h2d_done is None:
+                self._reload(below)
 
     def _reload(self, group: _Group, only: _Chunk | None = None) -> None:
         """Copy a group's chunks (or one chunk) back to the device on the reload stream."""

@@ -147,6 +147,99 @@ def test_loopback_prefetch_reloads_the_group_below_before_it_is_needed(prefetch,
         assert engine.stats.late_reloads == late
 
 
+def _chain_step(engine, x, n, *, rules=(), gaps=False):
+    """One forward+backward of n exp() layers under `engine`, a group per layer; `rules[i]`
+    False keeps layer i's group on the device; `gaps` closes each group at the layer's exit,
+    with an extra exp() between layers (what a module no rule matches saves)."""
+    with engine.step():
+        if gaps:
+            engine.end_group()
+        h = x
+        for i in range(n):
+            engine.mark_group(offload=rules[i] if rules else True)
+            h = (h * 1.0).exp()
+            if gaps:
+                engine.end_group()
+                h = h.sin()
+        out = h.sum()
+    out.backward()
+    return engine.stats
+
+
+def _moved(stats):
+    return [i for i, b in enumerate(stats.group_offloaded_bytes) if b]
+
+
+@pytest.mark.parametrize(("keep_last", "first", "moved"), [
+    (0, [1, 2, 3], [1, 2, 3]), (1, [1, 2, 3], [1, 2, 3]), (2, [1, 2], [1, 2]), (3, [1, 2], [1]),
+])
+def test_loopback_keep_last_keeps_the_newest_groups_marked_for_offload(keep_last, first, moved):
+    """Groups 1-4 hold one layer each (0 is the empty group open before the first mark); the
+    group still open at the end (4) never moves; keep_last keeps the newest ones before it too.
+    In the first step the engine knows the last groups only by the copies still in flight at
+    the end (one, with max_inflight 1); from the second step on, by the step before."""
+    from actcfg.offload import OffloadEngine, host_loopback
+
+    with host_loopback():
+        engine = OffloadEngine(pin=False, min_offload_bytes=0, keep_last=keep_last, device="cpu")
+        x = torch.randn(256, requires_grad=True)
+        assert _moved(_chain_step(engine, x, 4)) == first
+        second = _chain_step(engine, x, 4)
+        assert _moved(second) == moved
+        one = 256 * 4
+        assert second.kept_bytes == (4 - len(moved)) * one
+        assert second.offloaded_bytes == len(moved) * one == second.reloaded_bytes
+        assert second.copy_waits == 0  # loopback copies are done when launched
+
+
+def test_loopback_groups_marked_offload_false_stay_and_are_counted():
+    from actcfg.offload import OffloadEngine, host_loopback
+
+    with host_loopback():
+        engine = OffloadEngine(pin=False, min_offload_bytes=0, keep_last=0, device="cpu")
+        x = torch.randn(256, requires_grad=True)
+        plain = x.detach().clone().requires_grad_()
+        h = plain
+        for _ in range(4):
+            h = (h * 1.0).exp().sin()
+        h.sum().backward()
+        stats = _chain_step(engine, x, 4, rules=(True, False, True, False), gaps=True)
+        one = 256 * 4
+        # groups: 0 (empty), 1 gap, then layer i at 2 + 2i and its gap at 3 + 2i
+        assert _moved(stats) == [2, 6]
+        assert stats.group_kept_bytes[4] == stats.group_kept_bytes[8] == one
+        # each gap keeps the sin() input; layers 1 and 3 keep their exp() input
+        assert stats.kept_by_rule_bytes == 4 * one + 2 * one
+        assert stats.offloaded_bytes == 2 * one == stats.reloaded_bytes
+        assert stats.late_reloads == 0  # the kept groups above each one started its reload
+        assert torch.equal(x.grad, plain.grad)
+
+
+class _Pending:
+    """A loopback copy that is never done early: the engine must wait for it (a slow link)."""
+
+    def query(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize(("max_inflight", "waits", "first_moved"), [(1, 2, [1, 2]), (2, 1, [1])])
+def test_loopback_max_inflight_bounds_the_copies_in_flight(monkeypatch, max_inflight, waits, first_moved):
+    """With copies that finish late, the compute stream waits for the oldest copy once
+    `max_inflight` are in flight; more in flight means fewer waits, and more groups still on the
+    device at the turn for keep_last to keep in the first step (here keep_last 3)."""
+    from actcfg import offload
+
+    monkeypatch.setattr(offload._HostStream, "record_event", lambda self: _Pending())
+    with offload.host_loopback():
+        engine = offload.OffloadEngine(pin=False, min_offload_bytes=0, max_inflight=max_inflight,
+                                       keep_last=3, device="cpu")
+        x = torch.randn(256, requires_grad=True)
+        stats = _chain_step(engine, x, 4)
+        assert stats.most_inflight == max_inflight
+        assert _moved(stats) == first_moved
+        assert stats.copy_waits == waits
+
+
 # --- helpers -----------------------------------------------------------------------------
 
 
