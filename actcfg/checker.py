@@ -56,6 +56,7 @@ _MISSING_HINTS = {
     ("checkpoint", "modules"): "add `modules: [...]`: class names or fnmatch patterns of the "
     "modules to checkpoint, such as `[Block]`",
     ("checkpoint", "mode"): "add `mode: none`, `mode: full`, `mode: selective` or `mode: external`",
+    ("checkpoint", "rules"): "add `rules:`, a list such as `- {modules: [Block], mode: full}`",
 }
 
 _Backends = Iterable[Backend | str]
@@ -134,6 +135,8 @@ def _from_error(error: Mapping[str, Any], data: Any, doc: Document | None, name:
     elif kind == "missing":
         message = f"missing required key `{where}`"
         hint = _MISSING_HINTS.get(path, f"add `{path[-1]}`")
+        if path[-1] == "modules" and path[:1] == ("checkpoint",):
+            hint = _MISSING_HINTS[("checkpoint", "modules")]
     elif kind == "union_tag_not_found":
         message = f"`{where}` needs a `mode`"
         hint = _MISSING_HINTS[("checkpoint", "mode")]
@@ -174,7 +177,9 @@ def _from_error(error: Mapping[str, Any], data: Any, doc: Document | None, name:
         hint = f"use a whole number of at least {bound}" if "ge" in ctx else f"use a number above {bound}"
     elif kind == "too_short":
         message = f"`{where}` is empty"
-        hint = "list at least one module pattern, such as `[Block]`"
+        hint = ("list at least one rule, such as `- {modules: [Block], mode: full}`"
+                if path == ("checkpoint", "rules") else
+                "list at least one module pattern, such as `[Block]`")
     elif kind == "size_negative":
         message = f"`{where}` is {_shown(value)}: a size cannot be negative"
         hint = "use a size of 0 or more, such as 16GiB"

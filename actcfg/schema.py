@@ -1,5 +1,9 @@
 """The activation-memory policy, schema version 1: Pydantic models and cross-field rules.
 
+Version 1 grew compatibly: `checkpoint.mode: rules` (per-module choices, what `actcfg plan`
+writes) and `checkpoint.mode: auto` with `memory_budget` (ask for a plan) are new; every file
+that validated before still does, and means the same.
+
 No I/O and no torch: this module is imported by `actcfg validate`, which must stay light.
 Every model is strict (unknown keys are errors, a quoted "false" is not a boolean) and
 frozen, and every field carries a docstring that becomes its description in `actcfg schema`
@@ -32,6 +36,7 @@ from actcfg.backends import BACKENDS, RUNTIME_BACKENDS, Backend
 from actcfg.backends.table import Finding, findings
 
 __all__ = [
+    "AutoCheckpoint",
     "Backend",
     "Checkpoint",
     "DEFAULT_SAVE_OPS",
@@ -41,6 +46,9 @@ __all__ = [
     "MODULES_PLACEHOLDER",
     "NoCheckpoint",
     "Policy",
+    "Prediction",
+    "Rule",
+    "RulesCheckpoint",
     "SelectiveCheckpoint",
     "check_rules",
     "format_size",
@@ -212,11 +220,82 @@ class ExternalCheckpoint(_Strict):
     `cpu_checkpointing`) around them."""
 
 
+class Rule(_Strict):
+    """One rule of `checkpoint.rules`: which modules it takes, and what they keep of what they save."""
+
+    modules: tuple[ModulePattern, ...] = Field(min_length=1, description=_DOC["Rule.modules"])
+    """fnmatch patterns, each matched against a module's class name and its qualified name
+    (`Block`, `layers.3`); a module takes the first rule that matches it."""
+
+    mode: Literal["none", "full", "selective"] = Field("full", description=_DOC["Rule.mode"])
+    """`full`: keep the module's inputs, recompute its insides in backward; `selective`: keep the
+    outputs of `save_ops`, recompute the rest; `none`: no recomputation."""
+
+    cpu_checkpointing: StrictBool = Field(False, description=_DOC["Rule.cpu_checkpointing"])
+    """Keep in host memory until backward what the module keeps: with `mode: none` everything it
+    saves, with `mode: full` its inputs (actcfg's offload engine)."""
+
+    save_ops: tuple[OpName, ...] | None = Field(None, description=_DOC["Rule.save_ops"])
+    """`mode: selective` only: ops whose outputs are saved, as `namespace.op`; unset: matmuls and
+    attention, as `checkpoint.save_ops`."""
+
+
+class Prediction(_Strict):
+    """What `actcfg plan` predicted for this policy; `actcfg verify` compares it with what it measures."""
+
+    step_time_ms: Annotated[float, Field(gt=0, strict=True)] = Field(
+        description=_DOC["Prediction.step_time_ms"])
+    """Predicted time of one training step (forward and backward), in milliseconds."""
+
+    peak: Size = Field(description=_DOC["Prediction.peak"])
+    """Predicted peak GPU memory of one step above what is allocated when it begins, in bytes
+    or a human size (`5GiB`)."""
+
+
+class RulesCheckpoint(_Strict):
+    """torch only: per-module choices, an ordered list of rules; a module takes the first rule
+    that matches it, and modules no rule matches keep all their activations."""
+
+    mode: Literal["rules"] = Field(description=_DOC["RulesCheckpoint.mode"])
+    """`rules`: each module as its rule says (what `actcfg plan` writes)."""
+
+    rules: tuple[Rule, ...] = Field(min_length=1, description=_DOC["RulesCheckpoint.rules"])
+    """The rules, first match wins: each `{modules: [...], mode: none|full|selective,
+    cpu_checkpointing: bool, save_ops: [...]}`."""
+
+    keep_last: StrictInt = Field(1, ge=0, description=_DOC["RulesCheckpoint.keep_last"])
+    """Offload engine: how many of the newest modules whose rule offloads stay on the GPU at the
+    forward/backward turn. Each costs its activations' memory at the turn and saves their copy
+    both ways (nothing hides those copies: backward needs the newest modules first)."""
+
+    max_inflight: StrictInt = Field(1, ge=1, description=_DOC["RulesCheckpoint.max_inflight"])
+    """Offload engine: most modules whose copies to the host run at once; each in flight keeps
+    its GPU memory until its copy is done, and more than one saves time only when modules'
+    copies are uneven."""
+
+    predicted: Prediction | None = Field(None, description=_DOC["RulesCheckpoint.predicted"])
+    """What `actcfg plan` predicted for these rules (`step_time_ms`, `peak`); `actcfg verify`
+    reports it beside what it measures."""
+
+
+class AutoCheckpoint(_Strict):
+    """torch only: ask for the fastest per-module choices that keep a step within `memory_budget`."""
+
+    mode: Literal["auto"] = Field(description=_DOC["AutoCheckpoint.mode"])
+    """`auto`: plan from a profile of one training step on the GPU (`actcfg plan`, or
+    `actcfg.apply(model, policy, inputs=...)`)."""
+
+    modules: tuple[ModulePattern, ...] = Field(min_length=1, description=_DOC["AutoCheckpoint.modules"])
+    """The candidate modules the plan chooses for (the model's blocks, such as `[Block]`): fnmatch
+    patterns on class names and qualified names; each keeps, checkpoints or offloads as planned."""
+
+
 Checkpoint = Annotated[
-    Union[NoCheckpoint, FullCheckpoint, SelectiveCheckpoint, ExternalCheckpoint],
+    Union[NoCheckpoint, FullCheckpoint, SelectiveCheckpoint, ExternalCheckpoint, RulesCheckpoint,
+          AutoCheckpoint],
     Discriminator("mode"),
 ]
-CHECKPOINT_MODES = ("none", "full", "selective", "external")
+CHECKPOINT_MODES = ("none", "full", "selective", "external", "rules", "auto")
 
 
 # --- cross-field rules -----------------------------------------------------------------
@@ -225,6 +304,78 @@ CHECKPOINT_MODES = ("none", "full", "selective", "external")
 def _backend_rules(policy: Policy, backend: Backend, origin: str) -> list[Finding]:
     spec = BACKENDS[backend]
     return findings(spec.table, policy, backend.value, spec.checkpoint_function, origin)
+
+
+def offloads(policy: Policy) -> bool:
+    """True when the policy may offload: `cpu_checkpointing`, a rule that offloads, or a plan."""
+    ckpt = policy.checkpoint
+    return (policy.cpu_checkpointing or ckpt.mode == "auto"
+            or (ckpt.mode == "rules" and any(r.cpu_checkpointing for r in ckpt.rules)))
+
+
+def _plan_rules(policy: Policy) -> list[Finding]:
+    """The rules of `memory_budget`, `mode: auto` and `mode: rules`."""
+    out: list[Finding] = []
+    ckpt = policy.checkpoint
+    if ckpt.mode == "auto" and policy.memory_budget is None:
+        out.append(Finding(
+            "budget-needed", "error", ("checkpoint", "mode"),
+            "checkpoint.mode `auto` asks for the fastest plan within `memory_budget`, which is not set",
+            "add `memory_budget: <size>` (the most GPU memory one training step may allocate, such "
+            "as 40GiB), or choose the mode yourself: none, full, selective or rules",
+        ))
+    if policy.memory_budget is not None and ckpt.mode != "auto":
+        out.append(Finding(
+            "budget-without-plan", "error", ("memory_budget",),
+            f"`memory_budget` asks for a plan, but checkpoint.mode is {ckpt.mode}, set by hand: "
+            "the budget and the hand-set mode could disagree",
+            "remove `memory_budget`, or write `checkpoint: {mode: auto, modules: [...]}` to let "
+            "actcfg plan within it (`actcfg plan` writes the plan as `mode: rules`)",
+        ))
+    if policy.cpu_checkpointing and ckpt.mode in ("rules", "auto"):
+        out.append(Finding(
+            "offload-per-rule" if ckpt.mode == "rules" else "offload-by-plan", "error",
+            ("cpu_checkpointing",),
+            "top-level `cpu_checkpointing` does not apply with checkpoint.mode rules: each rule "
+            "says whether its modules offload" if ckpt.mode == "rules" else
+            "top-level `cpu_checkpointing` does not apply with checkpoint.mode auto: the plan "
+            "decides which modules offload",
+            "remove it, and set `cpu_checkpointing: true` in the rules whose modules should offload"
+            if ckpt.mode == "rules" else "remove `cpu_checkpointing`",
+        ))
+    if ckpt.mode == "rules":
+        for i, rule in enumerate(ckpt.rules):
+            if rule.save_ops is not None and rule.mode != "selective":
+                out.append(Finding(
+                    "save-ops-need-selective", "error", ("checkpoint", "rules", i, "save_ops"),
+                    f"`save_ops` names the ops a selective rule saves, but rule {i + 1} has "
+                    f"mode {rule.mode}",
+                    "set `mode: selective` in this rule, or remove `save_ops`",
+                ))
+            if MODULES_PLACEHOLDER in rule.modules:
+                out.append(_placeholder(("checkpoint", "rules", i, "modules")))
+        if not offloads(policy):
+            for key, default in (("keep_last", 1), ("max_inflight", 1)):
+                if key in ckpt.model_fields_set and getattr(ckpt, key) != default:
+                    out.append(Finding(
+                        "unused-setting", "warning", ("checkpoint", key),
+                        f"`{key}` schedules the offload engine, but no rule offloads "
+                        "(`cpu_checkpointing: true`)",
+                        f"remove `{key}`, or set `cpu_checkpointing: true` in a rule",
+                    ))
+    if ckpt.mode == "auto" and MODULES_PLACEHOLDER in ckpt.modules:
+        out.append(_placeholder(("checkpoint", "modules")))
+    return out
+
+
+def _placeholder(path: tuple[str | int, ...]) -> Finding:
+    return Finding(
+        "placeholder", "error", path,
+        f"`{MODULES_PLACEHOLDER}` is the placeholder `actcfg import` writes: a ds_config "
+        "cannot say which modules the model checkpoints",
+        f"replace {MODULES_PLACEHOLDER} with the class names of the modules to checkpoint, "
+        "or write `mode: external` if the model calls deepspeed.checkpointing.checkpoint itself",
+    )
 
 
 def check_rules(policy: Policy, backends: tuple[Backend | str, ...] = ()) -> list[Finding]:
@@ -249,13 +400,8 @@ def check_rules(policy: Policy, backends: tuple[Backend | str, ...] = ()) -> lis
             "num_layers; gpt-neox: ceil(num_layers / checkpoint_num_layers))",
         ))
     if ckpt.mode in ("full", "selective") and MODULES_PLACEHOLDER in ckpt.modules:
-        out.append(Finding(
-            "placeholder", "error", ("checkpoint", "modules"),
-            f"`{MODULES_PLACEHOLDER}` is the placeholder `actcfg import` writes: a ds_config "
-            "cannot say which modules the model checkpoints",
-            f"replace {MODULES_PLACEHOLDER} with the class names of the modules to checkpoint, "
-            "or write `mode: external` if the model calls deepspeed.checkpointing.checkpoint itself",
-        ))
+        out.append(_placeholder(("checkpoint", "modules")))
+    out.extend(_plan_rules(policy))
     if policy.num_checkpoints is not None and not policy.contiguous:
         out.append(Finding(
             "unused-setting", "warning", ("num_checkpoints",),
@@ -268,7 +414,7 @@ def check_rules(policy: Policy, backends: tuple[Backend | str, ...] = ()) -> lis
             "selective checkpointing runs only on torch's non-reentrant checkpoint",
             "remove `reentrant: true`, or use `mode: full`",
         ))
-    if policy.pin_budget is not None and not policy.cpu_checkpointing:
+    if policy.pin_budget is not None and not offloads(policy):
         out.append(Finding(
             "unused-setting", "warning", ("pin_budget",),
             "`pin_budget` bounds host memory for offloaded activations, but `cpu_checkpointing` "
@@ -351,6 +497,12 @@ class Policy(_Strict):
     profile: StrictBool = Field(False, description=_DOC["Policy.profile"])
     """DeepSpeed only: time checkpoint forward and backward passes (DeepSpeed `profile`)."""
 
+    memory_budget: Size | None = Field(None, description=_DOC["Policy.memory_budget"])
+    """torch only, with `checkpoint.mode: auto`: the most GPU memory one training step may
+    allocate above what is allocated when it begins (activations, their gradients and the
+    step's parameter gradients), in bytes or a human size (`40GiB`); the plan keeps its peak
+    within it."""
+
     @model_validator(mode="after")
     def _cross_field_rules(self, info: ValidationInfo) -> Policy:
         backends = tuple((info.context or {}).get("backends", ()))
@@ -360,7 +512,8 @@ class Policy(_Strict):
                 "policy_rule",
                 "{summary}",
                 {
-                    "summary": "; ".join(f"{'.'.join(f.path)}: {f.message} ({f.hint})" for f in errors),
+                    "summary": "; ".join(f"{'.'.join(map(str, f.path))}: {f.message} ({f.hint})"
+                                         for f in errors),
                     "findings": tuple(errors),
                 },
             )

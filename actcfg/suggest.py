@@ -9,7 +9,17 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
-from actcfg.schema import FullCheckpoint, NoCheckpoint, Policy, SelectiveCheckpoint
+from actcfg.schema import (
+    AutoCheckpoint,
+    ExternalCheckpoint,
+    FullCheckpoint,
+    NoCheckpoint,
+    Policy,
+    Prediction,
+    Rule,
+    RulesCheckpoint,
+    SelectiveCheckpoint,
+)
 
 __all__ = ["FOREIGN_NAMES", "keys_at", "suggest"]
 
@@ -72,11 +82,17 @@ FOREIGN_NAMES: dict[str, tuple[str, str]] = {
     "pin_memory": ("pin", "the keyword of torch.autograd.graph.save_on_cpu()"),
     "pinned": ("pin", "a common spelling"),
     "schema_version": ("version", "a common spelling"),
+    "activation_memory_budget": (
+        "memory_budget",
+        "torch.compile's budget (torch._functorch.config), a fraction of the activations; "
+        "actcfg's is a size, with `checkpoint: {mode: auto, modules: [...]}`",
+    ),
 }
 """Names other tools use for an actcfg setting: foreign name -> (actcfg dotted key, origin)."""
 
 
-_CHECKPOINT_BY_MODE = {"none": NoCheckpoint, "full": FullCheckpoint, "selective": SelectiveCheckpoint}
+_CHECKPOINT_BY_MODE = {"none": NoCheckpoint, "full": FullCheckpoint, "selective": SelectiveCheckpoint,
+                       "external": ExternalCheckpoint, "rules": RulesCheckpoint, "auto": AutoCheckpoint}
 
 
 def keys_at(at_path: tuple[str | int, ...], mode: str | None = None) -> tuple[str, ...]:
@@ -92,6 +108,10 @@ def keys_at(at_path: tuple[str | int, ...], mode: str | None = None) -> tuple[st
         if model is None:
             return tuple(dict.fromkeys(k for m in _CHECKPOINT_BY_MODE.values() for k in m.model_fields))
         return tuple(model.model_fields)
+    if len(at_path) == 3 and tuple(at_path[:2]) == ("checkpoint", "rules") and isinstance(at_path[2], int):
+        return tuple(Rule.model_fields)
+    if tuple(at_path) == ("checkpoint", "predicted"):
+        return tuple(Prediction.model_fields)
     return ()
 
 
@@ -120,7 +140,8 @@ def suggest(key: str, valid_keys: Iterable[str], at_path: tuple[str | int, ...] 
     if not at_path and folded in checkpoint_keys:
         return f"`{folded}` belongs under `checkpoint:`"
     if here == "checkpoint" and folded in checkpoint_keys:
-        needs = "`mode: selective`" if folded == "save_ops" else "`mode: full` or `mode: selective`"
+        modes = [f"`mode: {m}`" for m, model in _CHECKPOINT_BY_MODE.items() if folded in model.model_fields]
+        needs = modes[0] if len(modes) == 1 else ", ".join(modes[:-1]) + " or " + modes[-1]
         return f"`{folded}` is valid only with {needs}"
     close = difflib.get_close_matches(folded, valid, n=1, cutoff=0.6)
     if close:

@@ -47,6 +47,25 @@ CASES: dict[str, dict[str, Any]] = {
                                           "save_ops": ["aten.mm", "aten.addmm"]}},
     "torch-offload-all": {"version": 1, "cpu_checkpointing": True, "pin": False},
     "torch-pin-budget-unused": {"version": 1, "checkpoint": _BLOCK, "pin_budget": 1024},
+    "torch-rules-offload": {
+        "version": 1, "pin": False,
+        "checkpoint": {
+            "mode": "rules", "keep_last": 0, "max_inflight": 2,
+            "rules": [
+                {"modules": ["blocks.0"], "mode": "none"},
+                {"modules": ["blocks.1", "blocks.2"], "mode": "none", "cpu_checkpointing": True},
+                {"modules": ["blocks.3"], "cpu_checkpointing": True},
+                {"modules": ["Block"], "mode": "selective", "save_ops": ["aten.mm"]},
+            ],
+            "predicted": {"step_time_ms": 91.5, "peak": "5632MiB"},
+        },
+    },
+    "torch-rules-no-offload": {
+        "version": 1,
+        "checkpoint": {"mode": "rules", "rules": [{"modules": ["layers.*"]}]},
+    },
+    "torch-auto": {"version": 1, "checkpoint": {"mode": "auto", "modules": ["Block"]},
+                   "memory_budget": "6GiB", "pin_budget": "8GiB"},
 }
 
 

@@ -54,9 +54,9 @@ def test_unknown_mode_is_one_union_tag_error():
     assert _errors({"version": 1, "checkpoint": {"mode": "fll"}}) == [
         {"type": "union_tag_invalid", "loc": ("checkpoint",),
          "msg": "Input tag 'fll' found using 'mode' does not match any of the expected tags: "
-                "'none', 'full', 'selective', 'external'",
+                "'none', 'full', 'selective', 'external', 'rules', 'auto'",
          "ctx": {"discriminator": "'mode'", "tag": "fll",
-                 "expected_tags": "'none', 'full', 'selective', 'external'"}}
+                 "expected_tags": "'none', 'full', 'selective', 'external', 'rules', 'auto'"}}
     ]
 
 
@@ -227,7 +227,8 @@ def test_schema_is_draft7_with_descriptions_and_no_extra_properties():
     jsonschema.Draft7Validator.check_schema(schema)
     assert schema["additionalProperties"] is False
     models = [d for d in schema["definitions"].values() if "properties" in d]
-    assert len(models) == 4 and all(d["additionalProperties"] is False for d in models)
+    # none, full, selective, external, rules (with Rule and Prediction), auto
+    assert len(models) == 8 and all(d["additionalProperties"] is False for d in models)
     assert all("description" in p for p in schema["properties"].values())
 
 

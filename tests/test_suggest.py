@@ -33,7 +33,7 @@ CKPT = keys_at(("checkpoint",), "full")
          "`Pin-Memory` is the keyword of torch.autograd.graph.save_on_cpu(); in actcfg it is `pin`"),
         ("every", TOP, (), "`every` belongs under `checkpoint:`"),
         ("partition", CKPT, ("checkpoint",), "`partition` belongs at the top level, not under `checkpoint:`"),
-        ("modules", ("mode",), ("checkpoint",), "`modules` is valid only with `mode: full` or `mode: selective`"),
+        ("modules", ("mode",), ("checkpoint",), "`modules` is valid only with `mode: full`, `mode: selective` or `mode: auto`"),
         ("save_ops", CKPT, ("checkpoint",), "`save_ops` is valid only with `mode: selective`"),
         ("cpu_checkpoint", TOP, (), "did you mean `cpu_checkpointing`?"),
         ("Version", TOP, (), "did you mean `version`?"),
@@ -71,4 +71,11 @@ def test_keys_at_levels():
 
 @pytest.mark.parametrize("mode", [None, "fulll"])
 def test_keys_at_checkpoint_without_a_known_mode_is_every_modes_keys(mode):
-    assert keys_at(("checkpoint",), mode) == ("mode", "modules", "every", "reentrant", "save_ops")
+    assert keys_at(("checkpoint",), mode) == ("mode", "modules", "every", "reentrant", "save_ops",
+                                             "rules", "keep_last", "max_inflight", "predicted")
+
+
+def test_keys_at_a_rule_and_a_prediction():
+    assert keys_at(("checkpoint", "rules", 0)) == ("modules", "mode", "cpu_checkpointing", "save_ops")
+    assert keys_at(("checkpoint", "predicted")) == ("step_time_ms", "peak")
+    assert keys_at(("checkpoint",), "rules") == ("mode", "rules", "keep_last", "max_inflight", "predicted")

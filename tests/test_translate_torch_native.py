@@ -21,6 +21,8 @@ from actcfg.translate.torch_native import (
     CheckpointPlan,
     ExternalCheckpointPlan,
     OffloadPlan,
+    PlanRequest,
+    RulesPlan,
     WrapPlan,
     to_torch_native,
 )
@@ -44,16 +46,21 @@ def _plans() -> dict[str, WrapPlan]:
 PLANS = _plans()
 
 
-def _all_checkpoint_plans() -> dict[str, WrapPlan]:
-    """Cases and configs/ files whose torch plan checkpoints something."""
-    out = {}
+def _all_checkpoint_plans() -> dict[str, CheckpointPlan]:
+    """Every checkpoint the cases and configs/ files run through: their torch plan's, and each
+    checkpointing rule's (`<name>/rule-<i>`)."""
+    out: dict[str, CheckpointPlan] = {}
     for name, policy in golden_names().items():
         try:
             plan = to_torch_native(policy)
         except TranslationError:
             continue
-        if plan.checkpoint is not None:
-            out[name] = plan
+        if isinstance(plan.checkpoint, CheckpointPlan):
+            out[name] = plan.checkpoint
+        elif isinstance(plan.checkpoint, RulesPlan):
+            for i, rule in enumerate(plan.checkpoint.rules):
+                if rule.checkpoint_plan() is not None:
+                    out[f"{name}/rule-{i}"] = rule.checkpoint_plan()
     return out
 
 
@@ -165,8 +172,39 @@ def test_external_checkpointing_wraps_nothing_and_offloads_what_the_model_keeps(
                             offload=OffloadPlan(scope="all_saved", pin=True, pin_budget=None))
     assert plan.to_json() == {
         "checkpoint": {"api": None, "by": "the model"},
-        "offload": {"engine": OFFLOAD_ENGINE, "scope": "all_saved", "pin": True, "pin_budget": None},
+        "offload": {"engine": OFFLOAD_ENGINE, "scope": "all_saved", "pin": True, "pin_budget": None,
+                    "keep_last": 1, "max_inflight": 1},
     }
+
+
+def test_rules_become_one_plan_per_rule_in_order() -> None:
+    plan = PLANS["torch-rules-offload"]
+    assert isinstance(plan.checkpoint, RulesPlan)
+    assert [(r.modules, r.checkpoint, r.offload, r.api, r.selective_save_ops)
+            for r in plan.checkpoint.rules] == [
+        (("blocks.0",), "none", False, None, None),
+        (("blocks.1", "blocks.2"), "none", True, None, None),
+        (("blocks.3",), "full", True, CHECKPOINT_API, None),
+        (("Block",), "selective", False, CHECKPOINT_API, ("aten.mm",)),
+    ]
+    assert (plan.checkpoint.predicted_step_time_ms, plan.checkpoint.predicted_peak) == (91.5, 5632 * 2**20)
+    assert plan.offload == OffloadPlan(scope="rules", pin=False, pin_budget=None, keep_last=0,
+                                       max_inflight=2)
+    assert plan.checkpoint.rules[3].checkpoint_plan() == CheckpointPlan(
+        modules=("Block",), every=1, use_reentrant=False, selective_save_ops=("aten.mm",))
+    # selective without save_ops: the schema's default list, as `checkpoint.save_ops`
+    [rule] = to_torch_native(Policy.model_validate(
+        {"version": 1, "checkpoint": {"mode": "rules", "rules": [{"modules": ["B"], "mode": "selective"}]}}
+    )).checkpoint.rules
+    assert rule.selective_save_ops == DEFAULT_SAVE_OPS
+
+
+def test_rules_that_never_offload_need_no_engine_and_auto_is_a_plan_request() -> None:
+    assert PLANS["torch-rules-no-offload"].offload is None
+    plan = PLANS["torch-auto"]
+    assert plan == WrapPlan(checkpoint=PlanRequest(modules=("Block",), memory_budget=6 * 2**30), offload=None)
+    assert plan.to_json() == {"checkpoint": {"planner": "actcfg.plan", "modules": ["Block"],
+                                             "memory_budget": 6 * 2**30}, "offload": None}
 
 
 # --- goldens -------------------------------------------------------------------------------
@@ -229,7 +267,7 @@ def _sac_context(ops: tuple[str, ...]):
 def test_plan_runs_through_its_torch_api(name: str) -> None:
     """Call the named API with exactly the plan's kwargs on a toy block: it accepts them and
     the gradients equal the plain run's."""
-    plan = CKPT_PLANS[name].checkpoint
+    plan = CKPT_PLANS[name]
     api = _resolve(plan.api)
     kwargs = plan.kwargs()
     if plan.selective_save_ops is not None:

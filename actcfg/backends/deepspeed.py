@@ -7,6 +7,7 @@ checkpointing (Lightning-AI/pytorch-lightning#10874). Every name lives here, onc
 
 from __future__ import annotations
 
+from actcfg.backends._torch_only import per_module_rejections, plan_fields
 from actcfg.backends.table import Advice, Entry, Key, Meta, Rejection, RoutedBy, Unsupported
 
 __all__ = ["CHECKPOINT_FUNCTION", "SECTION", "TABLE"]
@@ -23,10 +24,13 @@ TABLE: dict[str, Entry] = {
     "backend": Meta("chooses the translator"),
     "checkpoint.mode": RoutedBy(
         "runtime", "route",
-        rejects=(Rejection(
-            "selective", "torch-only",
-            "checkpoint.mode `selective` is torch-only: DeepSpeed recomputes whole modules",
-            f"use `mode: full`, {_SET_TORCH}"),),
+        rejects=(
+            Rejection(
+                "selective", "torch-only",
+                "checkpoint.mode `selective` is torch-only: DeepSpeed recomputes whole modules",
+                f"use `mode: full`, {_SET_TORCH}"),
+            *per_module_rejections("set `backend: torch`"),
+        ),
     ),
     "checkpoint.modules": RoutedBy("runtime", "route.modules"),
     "checkpoint.every": RoutedBy("runtime", "route.every"),
@@ -61,5 +65,6 @@ TABLE: dict[str, Entry] = {
     "pin_budget": Unsupported(
         "torch-only", "`pin_budget` is torch-only: DeepSpeed cannot bound its pinned host memory",
         f"remove `pin_budget`, {_SET_TORCH}"),
+    **plan_fields("torch-only", "set `backend: torch`"),
 }
 """Policy field -> where DeepSpeed takes it (`Key.key`: ds_config JSON, `Key.kwarg`: configure())."""

@@ -9,6 +9,7 @@ express is refused here; the `actcfg.integrations.hf` callback runs any policy i
 from __future__ import annotations
 
 from actcfg.backends._deepspeed_only import deepspeed_only
+from actcfg.backends._torch_only import per_module_rejections, plan_fields
 from actcfg.backends.table import Entry, Key, Meta, Rejection, RoutedBy, Unsupported
 
 __all__ = ["ARGUMENT", "KWARGS", "OLD_NAMES", "TABLE"]
@@ -22,16 +23,21 @@ OLD_NAMES = {ARGUMENT: "gradient_checkpointing", KWARGS: "gradient_checkpointing
 as deprecated aliases, the new name winning when both are set)."""
 
 _CALLBACK = "or run the policy with actcfg.integrations.hf.ActivationPolicyCallback"
+_PER_MODULE = ("run the policy with actcfg.integrations.hf.ActivationPolicyCallback, which applies "
+               "it with torch")
 
 TABLE: dict[str, Entry] = {
     "version": Meta("schema version of the policy file"),
     "backend": Meta("chooses the translator"),
     "checkpoint.mode": RoutedBy(
         "transformers", ARGUMENT,
-        rejects=(Rejection(
-            "selective", "not-in-hf",
-            "checkpoint.mode `selective` has no TrainingArguments equivalent: transformers "
-            "checkpoints whole layers", f"use `mode: full`, {_CALLBACK}"),),
+        rejects=(
+            Rejection(
+                "selective", "not-in-hf",
+                "checkpoint.mode `selective` has no TrainingArguments equivalent: transformers "
+                "checkpoints whole layers", f"use `mode: full`, {_CALLBACK}"),
+            *per_module_rejections(_PER_MODULE, code="not-in-hf"),
+        ),
     ),
     "checkpoint.modules": RoutedBy(
         "transformers", "(every GradientCheckpointingLayer)",
@@ -66,6 +72,7 @@ TABLE: dict[str, Entry] = {
     "pin_budget": Unsupported(
         "not-in-hf", "`pin_budget` has no TrainingArguments equivalent: transformers' offload "
         "(torch's save_on_cpu) cannot bound its pinned memory", f"remove `pin_budget`, {_CALLBACK}"),
+    **plan_fields("not-in-hf", _PER_MODULE),
     **deepspeed_only(),
 }
 """Policy field -> TrainingArguments keyword (dotted: a key of `activation_checkpointing_kwargs`)."""

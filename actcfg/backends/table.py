@@ -36,7 +36,8 @@ class Finding:
 
     code: str
     severity: Literal["error", "warning"]
-    path: tuple[str, ...]
+    path: tuple[str | int, ...]
+    """Where in the file: keys, and list indexes (`checkpoint.rules.0.save_ops`)."""
     message: str
     hint: str
     reason: str = ""
@@ -117,11 +118,14 @@ Entry = Union[Key, RoutedBy, Unsupported, Meta]
 
 def field_value(policy: Any, path: str) -> tuple[Any, Any, bool]:
     """(value, schema default, set explicitly) of a dotted field; value is `MISSING` when the
-    policy's checkpoint variant has no such field."""
+    policy's checkpoint variant has no such field, or when the field is inside a list or an
+    unset section (`checkpoint.rules.mode`: the rules are read by the translator itself)."""
     obj: Any = policy
     *parents, leaf = path.split(".")
     for part in parents:
-        obj = getattr(obj, part)
+        obj = getattr(obj, part, MISSING)
+        if obj is MISSING or not hasattr(type(obj), "model_fields"):
+            return MISSING, MISSING, False
     fields = type(obj).model_fields
     if leaf not in fields:
         return MISSING, MISSING, False

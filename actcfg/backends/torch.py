@@ -5,7 +5,7 @@ from __future__ import annotations
 from actcfg.backends._deepspeed_only import deepspeed_only
 from actcfg.backends.table import Entry, Key, Meta
 
-__all__ = ["CHECKPOINT_API", "OFFLOAD_ENGINE", "TABLE"]
+__all__ = ["CHECKPOINT_API", "OFFLOAD_ENGINE", "PLANNER", "TABLE"]
 
 CHECKPOINT_API = "torch.utils.checkpoint.checkpoint"
 """The function that checkpoints each selected module, in every mode: it keeps module,
@@ -13,6 +13,9 @@ parameter and state_dict names, composes with FSDP2 and torch.compile (dynamo tr
 higher-order op), and takes `use_reentrant` and `context_fn`."""
 OFFLOAD_ENGINE = "actcfg.offload.OffloadEngine"
 """What offloads saved activations: saved-tensor hooks with grouped side-stream copies."""
+PLANNER = "actcfg.plan"
+"""What turns `checkpoint.mode: auto` into per-module rules: a profile of one training step,
+then the fastest choices whose predicted peak fits `memory_budget`."""
 
 TABLE: dict[str, Entry] = {
     "version": Meta("schema version of the policy file"),
@@ -25,6 +28,16 @@ TABLE: dict[str, Entry] = {
     "cpu_checkpointing": Key("offload.scope"),
     "pin": Key("offload.pin"),
     "pin_budget": Key("offload.pin_budget"),
+    # Read by the translator rule by rule (field_value does not look inside lists).
+    "checkpoint.rules.modules": Key("checkpoint.rules[].modules"),
+    "checkpoint.rules.mode": Key("checkpoint.rules[].checkpoint"),
+    "checkpoint.rules.cpu_checkpointing": Key("checkpoint.rules[].offload"),
+    "checkpoint.rules.save_ops": Key("checkpoint.rules[].selective_save_ops", "context_fn"),
+    "checkpoint.keep_last": Key("offload.keep_last"),
+    "checkpoint.max_inflight": Key("offload.max_inflight"),
+    "checkpoint.predicted.step_time_ms": Meta("what actcfg plan predicted; verify compares"),
+    "checkpoint.predicted.peak": Meta("what actcfg plan predicted; verify compares"),
+    "memory_budget": Key("checkpoint.memory_budget"),
     **deepspeed_only(),
 }
 """Policy field -> WrapPlan attribute (and the torch keyword argument it becomes)."""

@@ -14,16 +14,20 @@ from typing import Any, Literal
 
 from actcfg.backends import Backend
 from actcfg.backends.table import MISSING, Key, field_value
-from actcfg.backends.torch import CHECKPOINT_API, OFFLOAD_ENGINE, TABLE
-from actcfg.schema import Policy
+from actcfg.backends.torch import CHECKPOINT_API, OFFLOAD_ENGINE, PLANNER, TABLE
+from actcfg.schema import DEFAULT_SAVE_OPS, Policy
 from actcfg.translate._refuse import refuse_inexpressible
 
 __all__ = [
     "CHECKPOINT_API",
     "OFFLOAD_ENGINE",
+    "PLANNER",
     "CheckpointPlan",
     "ExternalCheckpointPlan",
     "OffloadPlan",
+    "PlanRequest",
+    "RulePlan",
+    "RulesPlan",
     "WrapPlan",
     "to_torch_native",
 ]
@@ -77,32 +81,122 @@ class ExternalCheckpointPlan:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RulePlan:
+    """One rule of `checkpoint.mode: rules`: its modules, how they are checkpointed, and whether
+    what they keep is offloaded."""
+
+    modules: tuple[str, ...]
+    """fnmatch patterns; a module takes the first rule that matches it."""
+    checkpoint: Literal["none", "full", "selective"]
+    """How the modules recompute: not at all, whole, or all but `selective_save_ops`."""
+    offload: bool
+    """Their group is marked for offload: everything they save (`none`), or their inputs (`full`)."""
+    selective_save_ops: tuple[str, ...] | None = None
+    """With `selective`: ops whose outputs are saved."""
+    use_reentrant: bool = False
+    """torch's `use_reentrant` kwarg: rules always checkpoint non-reentrantly."""
+    preserve_rng_state: bool = True
+    """torch's `preserve_rng_state` kwarg."""
+
+    @property
+    def api(self) -> str | None:
+        """The function the modules' forwards run through; None when they are not checkpointed."""
+        return None if self.checkpoint == "none" else CHECKPOINT_API
+
+    def checkpoint_plan(self) -> CheckpointPlan | None:
+        """The checkpoint these modules run through (every matched module: `every` is 1)."""
+        if self.checkpoint == "none":
+            return None
+        return CheckpointPlan(modules=self.modules, every=1, use_reentrant=self.use_reentrant,
+                              preserve_rng_state=self.preserve_rng_state,
+                              selective_save_ops=self.selective_save_ops)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able form, keys in a stable order."""
+        return {
+            "modules": list(self.modules),
+            "checkpoint": self.checkpoint,
+            "api": self.api,
+            "use_reentrant": self.use_reentrant if self.api else None,
+            "preserve_rng_state": self.preserve_rng_state if self.api else None,
+            "selective_save_ops": (None if self.selective_save_ops is None
+                                   else list(self.selective_save_ops)),
+            "offload": self.offload,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class RulesPlan:
+    """Per-module choices (`checkpoint.mode: rules`): each module takes the first rule that
+    matches it; modules no rule matches are left as they are."""
+
+    rules: tuple[RulePlan, ...]
+    predicted_step_time_ms: float | None = None
+    """What `actcfg plan` predicted for one step, if it wrote these rules."""
+    predicted_peak: int | None = None
+    """What `actcfg plan` predicted as the step's peak GPU memory, in bytes."""
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able form, keys in a stable order."""
+        predicted = None
+        if self.predicted_step_time_ms is not None:
+            predicted = {"step_time_ms": self.predicted_step_time_ms, "peak": self.predicted_peak}
+        return {"api": CHECKPOINT_API, "rules": [r.to_json() for r in self.rules],
+                "predicted": predicted}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    """`checkpoint.mode: auto`: choose per candidate module within `memory_budget`, from a
+    profile of one training step (`actcfg plan`, or `apply(..., inputs=...)`), then run the
+    `RulesPlan` that comes out."""
+
+    modules: tuple[str, ...]
+    """Candidate modules: fnmatch patterns."""
+    memory_budget: int
+    """Most GPU memory one step may allocate above its start, in bytes."""
+    planner: str = PLANNER
+    """What plans."""
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able form, keys in a stable order."""
+        return {"planner": self.planner, "modules": list(self.modules),
+                "memory_budget": self.memory_budget}
+
+
+@dataclass(frozen=True, kw_only=True)
 class OffloadPlan:
     """Saved activations kept in host memory until backward (saved-tensor hooks)."""
 
-    scope: Literal["checkpoint_inputs", "all_saved"]
+    scope: Literal["checkpoint_inputs", "all_saved", "rules"]
     """`checkpoint_inputs`: only what checkpointed modules save (their inputs), the same as
     DeepSpeed cpu_checkpointing; `all_saved`: every activation autograd saves outside a
     checkpointed call (all of them without checkpointing; with `mode: external`, what the
-    model's own checkpointed calls keep)."""
+    model's own checkpointed calls keep); `rules`: what the modules whose rule offloads keep
+    (everything they save with `mode: none`, their inputs with `full`)."""
     pin: bool
     """Page-locked host buffers."""
     pin_budget: int | None
     """Most pinned bytes held; past it, pageable memory. None = unbounded."""
+    keep_last: int = 1
+    """Groups marked for offload that stay on the device at the forward/backward turn, newest first."""
+    max_inflight: int = 1
+    """Most groups whose copies to the host run at once."""
     engine: str = OFFLOAD_ENGINE
     """What offloads them."""
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able form, keys in a stable order."""
         return {"engine": self.engine, "scope": self.scope, "pin": self.pin,
-                "pin_budget": self.pin_budget}
+                "pin_budget": self.pin_budget, "keep_last": self.keep_last,
+                "max_inflight": self.max_inflight}
 
 
 @dataclass(frozen=True, kw_only=True)
 class WrapPlan:
     """What the torch runtime does to a model: checkpoint wrapping and activation offload."""
 
-    checkpoint: CheckpointPlan | ExternalCheckpointPlan | None
+    checkpoint: CheckpointPlan | ExternalCheckpointPlan | RulesPlan | PlanRequest | None
     offload: OffloadPlan | None
 
     def to_json(self) -> dict[str, Any]:
@@ -129,7 +223,14 @@ def to_torch_native(policy: Policy) -> WrapPlan:
     refuse_inexpressible(policy, Backend.TORCH)
     dest = _destinations(policy)
     mode = dest["checkpoint"]
-    checkpoint: CheckpointPlan | ExternalCheckpointPlan | None = None
+    if mode == "rules":
+        return _rules_plan(policy, dest)
+    if mode == "auto":
+        # What the plan offloads is decided by the planner; its rules carry pin and pin_budget.
+        return WrapPlan(checkpoint=PlanRequest(modules=tuple(dest["checkpoint.modules"]),
+                                               memory_budget=dest["checkpoint.memory_budget"]),
+                        offload=None)
+    checkpoint: CheckpointPlan | ExternalCheckpointPlan | RulesPlan | PlanRequest | None = None
     if mode == "external":
         checkpoint = ExternalCheckpointPlan()
     elif mode != "none":
@@ -148,3 +249,30 @@ def to_torch_native(policy: Policy) -> WrapPlan:
             pin_budget=dest["offload.pin_budget"],
         )
     return WrapPlan(checkpoint=checkpoint, offload=offload)
+
+
+def _rules_plan(policy: Policy, dest: dict[str, Any]) -> WrapPlan:
+    """The `RulesPlan` of a `mode: rules` policy, rule by rule (the table names where each
+    field of a rule goes: `checkpoint.rules[].<attribute>`)."""
+    ckpt = policy.checkpoint
+    rules = tuple(
+        RulePlan(
+            modules=tuple(rule.modules),
+            checkpoint=rule.mode,
+            offload=rule.cpu_checkpointing,
+            selective_save_ops=(tuple(rule.save_ops or DEFAULT_SAVE_OPS)
+                                if rule.mode == "selective" else None),
+        )
+        for rule in ckpt.rules
+    )
+    predicted = ckpt.predicted
+    plan = RulesPlan(rules=rules,
+                     predicted_step_time_ms=None if predicted is None else predicted.step_time_ms,
+                     predicted_peak=None if predicted is None else predicted.peak)
+    offload = None
+    if any(r.offload for r in rules):
+        offload = OffloadPlan(scope="rules", pin=dest["offload.pin"],
+                              pin_budget=dest["offload.pin_budget"],
+                              keep_last=dest["offload.keep_last"],
+                              max_inflight=dest["offload.max_inflight"])
+    return WrapPlan(checkpoint=plan, offload=offload)
