@@ -56,11 +56,13 @@ def translate(policy: Policy, backend: Backend | str | None = None) -> dict[str,
     return _translate(policy, backend)
 
 
-def apply(model: Any, cfg: Any, *, backend: Backend | str | None = None, mpu: Any = None) -> AppliedPolicy:
-    """Put the policy into effect on `model` (needs torch); returns a removable handle."""
+def apply(model: Any, cfg: Any, *, backend: Backend | str | None = None, mpu: Any = None,
+          inputs: Any = None, loss_fn: Any = None) -> AppliedPolicy:
+    """Put the policy into effect on `model` (needs torch); returns a removable handle. With
+    `checkpoint.mode: auto`, `inputs=` (an example batch) lets it plan first."""
     from actcfg.runtime import apply as _apply
 
-    return _apply(model, cfg, backend=backend, mpu=mpu)
+    return _apply(model, cfg, backend=backend, mpu=mpu, inputs=inputs, loss_fn=loss_fn)
 
 
 def verify(model_factory: Any, cfg: Any, **kwargs: Any) -> Any:

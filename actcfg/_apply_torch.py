@@ -5,6 +5,9 @@ with the plan's keyword arguments; with an offload plan, the root's forward runs
 offload engine's step (a `with` around it, as torch's OffloadWrapper scopes save_on_cpu) and each
 group boundary is marked as its module is entered. Every tensor argument reaches the checkpoint
 function positionally, so keyword and nested inputs are saved (and offloaded) like the others.
+A `RulesPlan` does the same module by module: each module its rule's checkpoint and kwargs, and,
+when a rule offloads, a group at every module a rule takes (moved only where its rule offloads;
+what runs between them stays on the device).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch import nn
 
 from actcfg._wrap import (
     NotPicklable,
+    select_by_rules,
     call_inner,
     call_with_flat_tensors,
     label,
@@ -27,10 +31,11 @@ from actcfg._wrap import (
     select_modules,
 )
 from actcfg.errors import PolicyApplyError, TranslationError
+from actcfg.translate.torch_native import CHECKPOINT_API
 from actcfg.offload import OffloadEngine, loopback_enabled
-from actcfg.reports import CheckpointCounters, CheckpointReport, OffloadReport
+from actcfg.reports import CheckpointCounters, CheckpointReport, OffloadReport, RuleReport
 from actcfg.schema import Policy
-from actcfg.translate import CheckpointPlan, OffloadPlan, to_torch_native
+from actcfg.translate import CheckpointPlan, OffloadPlan, PlanRequest, RulesPlan, to_torch_native
 
 __all__ = ["apply_torch", "block_groups", "resolve_ops"]
 
@@ -46,7 +51,14 @@ def apply_torch(model: nn.Module, policy: Policy, handle: Any, mpu: Any) -> None
         plan = to_torch_native(policy)
     except TranslationError as e:
         raise PolicyApplyError(str(e)) from e
+    if isinstance(plan.checkpoint, PlanRequest):
+        # runtime.apply plans first and hands the rules here; reaching this is a wiring bug.
+        raise PolicyApplyError("checkpoint.mode auto must be planned before it is applied: call "
+                               "actcfg.apply(model, policy, inputs=...)")
     device = _offload_device(model) if plan.offload is not None else None
+    if isinstance(plan.checkpoint, RulesPlan):
+        _apply_rules(model, policy, plan.checkpoint, plan.offload, handle, device)
+        return
     if isinstance(plan.checkpoint, CheckpointPlan):
         refuse_stacked_checkpointing(model)
     if plan.checkpoint is not None or plan.offload is not None:
@@ -115,7 +127,7 @@ class _Checkpointed:
     """
 
     def __init__(self, plan: CheckpointPlan, save_ops: list[Any] | None,
-                 counters: CheckpointCounters) -> None:
+                 counters: CheckpointCounters | tuple[CheckpointCounters, ...]) -> None:
         self.api = _resolve(plan.api)
         self.kwargs = plan.kwargs()
         if save_ops is not None:
@@ -123,17 +135,20 @@ class _Checkpointed:
 
             self.kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, save_ops)
         self.reentrant = plan.use_reentrant
-        self.counters = counters
+        # The handle's counters, and with rules the rule's own as well.
+        self.counters = counters if isinstance(counters, tuple) else (counters,)
 
     def __call__(self, module: nn.Module, previous: Any, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return call_inner(module, previous, *args, **kwargs)
         counters = self.counters
         if not torch.compiler.is_compiling():
-            counters.calls += 1
+            for c in counters:
+                c.calls += 1
 
             def counted(*a: Any, **k: Any) -> Any:
-                counters.runs += 1
+                for c in counters:
+                    c.runs += 1
                 return call_inner(module, previous, *a, **k)
         else:
             counted = functools.partial(call_inner, module, previous)
@@ -141,6 +156,40 @@ class _Checkpointed:
         return call_with_flat_tensors(self.api, counted, args, kwargs,
                                       needs_grad_input=trains, flat_outputs=self.reentrant,
                                       **self.kwargs)
+
+
+def _apply_rules(model: nn.Module, policy: Policy, plan: RulesPlan, offload: OffloadPlan | None,
+                 handle: Any, device: torch.device | None) -> None:
+    """Each module its rule: checkpointed through the rule's function and kwargs, and, when a
+    rule offloads, an offload group at every module a rule takes."""
+    rules = plan.rules
+    if any(r.checkpoint != "none" for r in rules):
+        refuse_stacked_checkpointing(model)
+    prepare_hf_model(model, handle.undo)
+    selected = select_by_rules(model, [r.modules for r in rules])
+    handle.rule_counters = tuple(CheckpointCounters() for _ in rules)
+    impls: dict[int, _Checkpointed] = {}
+    for name, module, i in selected:
+        rule = rules[i]
+        checkpoint = rule.checkpoint_plan()
+        if checkpoint is None:
+            continue
+        if i not in impls:
+            ops = (resolve_ops(checkpoint.selective_save_ops)
+                   if checkpoint.selective_save_ops is not None else None)
+            impls[i] = _Checkpointed(checkpoint, ops, (handle.counters, handle.rule_counters[i]))
+        override_forward(handle.undo, module, impls[i], f"checkpointed ({rule.checkpoint}, rule {i})")
+    checkpointed = tuple(n for n, _, i in selected if rules[i].checkpoint != "none")
+    kwargs = next((r.checkpoint_plan().kwargs() for r in rules if r.checkpoint != "none"), {})
+    handle.set_checkpoint(CheckpointReport.of(policy, CHECKPOINT_API if checkpointed else None,
+                                              checkpointed, kwargs))
+    handle.set_rules(tuple(
+        RuleReport(index=i, modules=tuple(n for n, _, j in selected if j == i), checkpoint=r.checkpoint,
+                   offload=r.offload, save_ops=r.selective_save_ops)
+        for i, r in enumerate(rules)))
+    if offload is not None:
+        _apply_offload(model, offload, [(n, m) for n, m, _ in selected], handle, device,
+                       offloads=[rules[i].offload for _, _, i in selected])
 
 
 def _resolve(dotted: str) -> Any:
@@ -164,10 +213,13 @@ class _OffloadScope(NotPicklable):
     model's own forward inside the step is compiled.
     """
 
-    def __init__(self, engine: OffloadEngine) -> None:
+    def __init__(self, engine: OffloadEngine, gaps: bool = False) -> None:
         self.engine = engine
+        self.gaps = gaps  # rules: what runs outside the groups stays on the device
         self.removed = False
         self.opened_at_group: Any = None
+        self.group_names: dict[int, str] = {}
+        """Group index -> the module that opened it, in the last step."""
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _OffloadScope:
         return self
@@ -188,16 +240,29 @@ class _OffloadScope(NotPicklable):
             return call_inner(module, previous, *args, **kwargs)
         self._close_group_step()  # one a KeyboardInterrupt left open
         with self.engine.step():
+            self._begin()
             return call_inner(module, previous, *args, **kwargs)
 
+    def _begin(self) -> None:
+        self.group_names.clear()
+        if self.gaps:
+            self.engine.end_group()  # what runs before the first group stays on the device
+
     @torch.compiler.disable
-    def mark(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+    def mark(self, module: nn.Module, args: tuple[Any, ...], name: str = "", offload: bool = True) -> None:
         if not self.engine.in_step() and self._training(module):
             self._close_group_step()
             step = self.engine.step()
             step.__enter__()
             self.opened_at_group = step
-        self.engine.mark_group()
+            self._begin()
+        index = self.engine.mark_group(offload)
+        if index is not None:
+            self.group_names[index] = name
+
+    @torch.compiler.disable
+    def leave(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        self.engine.end_group()
 
     @torch.compiler.disable
     def after_last(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -234,8 +299,12 @@ def block_groups(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], str]:
 
 
 def _apply_offload(model: nn.Module, plan: OffloadPlan, selected: list[tuple[str, nn.Module]],
-                   handle: Any, device: torch.device) -> None:
-    if plan.scope == "checkpoint_inputs":
+                   handle: Any, device: torch.device, offloads: list[bool] | None = None) -> None:
+    if plan.scope == "rules":
+        groups, grouping = selected, (
+            "the modules the rules take (moved where their rule offloads; the others, and what "
+            "runs between groups, stay on the device)")
+    elif plan.scope == "checkpoint_inputs":
         groups, grouping = selected, "the checkpointed modules"
         every = getattr(handle.policy.checkpoint, "every", 1)
         if every > 1:
@@ -250,14 +319,22 @@ def _apply_offload(model: nn.Module, plan: OffloadPlan, selected: list[tuple[str
             raise PolicyApplyError(
                 f"cpu_checkpointing: {label(name, module)} is a TorchScript module, on which actcfg "
                 "cannot mark an offload group; apply the policy before torch.jit.script")
-    engine = OffloadEngine(pin=plan.pin, pin_budget=plan.pin_budget, device=device)
+    engine = OffloadEngine(pin=plan.pin, pin_budget=plan.pin_budget, keep_last=plan.keep_last,
+                           max_inflight=plan.max_inflight, device=device)
     engine.skip_tensors_of(model)
-    scope = _OffloadScope(engine)
+    rules = plan.scope == "rules"
+    scope = _OffloadScope(engine, gaps=rules)
     handle.engine = engine
+    handle.offload_group_names = scope.group_names
     handle.undo.push(scope.close)
-    for _, module in groups:
+    for k, (name, module) in enumerate(groups):
+        mark = functools.partial(scope.mark, name=name,
+                                 offload=True if offloads is None else offloads[k])
         # prepend: the boundary is marked before any other pre-hook of the block saves tensors.
-        handle.undo.push(module.register_forward_pre_hook(scope.mark, prepend=True).remove)
+        handle.undo.push(module.register_forward_pre_hook(mark, prepend=True).remove)
+        if rules:
+            # what the modules between two groups save stays on the device
+            handle.undo.push(module.register_forward_hook(scope.leave).remove)
     if groups:
         last = groups[-1][1]
         handle.undo.push(last.register_forward_hook(scope.after_last, always_call=True).remove)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -34,6 +34,7 @@ __all__ = [
     "override_forward",
     "prepare_hf_model",
     "refuse_stacked_checkpointing",
+    "select_by_rules",
     "select_modules",
 ]
 
@@ -119,45 +120,12 @@ def select_modules(model: nn.Module, patterns: tuple[str, ...], every: int) -> l
     module, and a module inside torch's checkpoint_wrapper (it would recompute twice).
     """
     named = list(model.named_modules())
-    for pattern in patterns:
-        if not any(_matches(pattern, n, m) for n, m in named):
-            classes = sorted({class_name(m) for _, m in named})
-            names = [n for n, _ in named if n][:6]
-            raise PolicyApplyError(
-                f"checkpoint.modules: pattern {pattern!r} matches no module of "
-                f"{class_name(model)}; class names here: {', '.join(classes[:8])}"
-                f"{', ...' if len(classes) > 8 else ''}; qualified names: {', '.join(names)}"
-                f"{', ...' if len(named) - 1 > 6 else ''}"
-            )
+    _refuse_unmatched(model, named, patterns, "checkpoint.modules")
     matched = [(n, m) for n, m in named if any(_matches(p, n, m) for p in patterns)]
-    for i, (outer, om) in enumerate(matched):
-        for inner, im in matched[i + 1:]:
-            if not outer or inner.startswith(outer + "."):
-                raise PolicyApplyError(
-                    f"checkpoint.modules: {label(outer, om)} and its submodule {label(inner, im)} "
-                    "are both matched: nested checkpointing recomputes the inner module twice; "
-                    "narrow the patterns so that only one of them matches"
-                )
-    wrappers = [n for n, m in named if type(m).__name__ == "CheckpointWrapper"]
-    for n, m in matched:
-        if isinstance(m, torch.jit.ScriptModule):
-            raise PolicyApplyError(
-                f"checkpoint.modules: {label(n, m)} is a TorchScript module, whose forward actcfg "
-                "cannot wrap; apply the policy before torch.jit.script, or narrow the patterns "
-                "so that they match eager modules only"
-            )
-        if type(m).forward is nn.Module.forward:
-            raise PolicyApplyError(
-                f"checkpoint.modules: {label(n, m)} has no forward of its own (a container); "
-                f"checkpoint its children instead, such as `{n + '.*' if n else '*'}`"
-            )
-        inside = next((w for w in wrappers if n == w or n.startswith(w + ".")), None)
-        if inside is not None:
-            raise PolicyApplyError(
-                f"checkpoint.modules: {label(n, m)} is inside torch's checkpoint_wrapper "
-                f"(`{inside or 'the model'}`), which already checkpoints it: actcfg would "
-                "recompute it twice; remove the checkpoint_wrapper, or do not checkpoint it here"
-            )
+    _refuse_nested(matched, "checkpoint.modules",
+                   "nested checkpointing recomputes the inner module twice; narrow the patterns "
+                   "so that only one of them matches")
+    _refuse_unwrappable(named, matched, "checkpoint.modules")
     chosen = [nm for i, nm in enumerate(matched) if (i + 1) % every == 0]
     if not chosen:
         raise PolicyApplyError(
@@ -166,6 +134,87 @@ def select_modules(model: nn.Module, patterns: tuple[str, ...], every: int) -> l
             f"would be; set `every` to at most {len(matched)}"
         )
     return chosen
+
+
+def select_by_rules(model: nn.Module, rules: Sequence[tuple[str, ...]]) -> list[tuple[str, nn.Module, int]]:
+    """(name, module, rule index) for every module a rule takes, in module order: each module
+    takes the first rule whose patterns match it (`checkpoint.rules`).
+
+    PolicyApplyError as `select_modules` gives, for every rule's patterns, and for a rule whose
+    every match an earlier rule took (it would apply to nothing). Two modules taken where one
+    contains the other are refused whatever their rules: an outer group would swallow the
+    inner one's choice (and nested checkpointing recomputes the inner module twice).
+    """
+    named = list(model.named_modules())
+    for i, patterns in enumerate(rules):
+        _refuse_unmatched(model, named, patterns, f"checkpoint.rules.{i}.modules")
+    taken: list[tuple[str, nn.Module, int]] = []
+    for n, m in named:
+        rule = next((i for i, patterns in enumerate(rules) if any(_matches(p, n, m) for p in patterns)), None)
+        if rule is not None:
+            taken.append((n, m, rule))
+    used = {i for _, _, i in taken}
+    for i, patterns in enumerate(rules):
+        if i not in used:
+            earlier = sorted({j for n, m, j in taken if any(_matches(p, n, m) for p in patterns)})
+            raise PolicyApplyError(
+                f"checkpoint.rules.{i}: every module its patterns match was taken by an earlier "
+                f"rule ({', '.join(f'rule {j}' for j in earlier)}; the first match wins), so it "
+                "applies to none; remove it, or narrow the earlier rule")
+    pairs = [(n, m) for n, m, _ in taken]
+    _refuse_nested(pairs, "checkpoint.rules",
+                   "each module takes one rule, and a module's rule covers what its submodules "
+                   "save; narrow the patterns so that only one of them is matched")
+    _refuse_unwrappable(named, pairs, "checkpoint.rules")
+    return taken
+
+
+def _refuse_unmatched(model: nn.Module, named: list[tuple[str, nn.Module]], patterns: tuple[str, ...],
+                      where: str) -> None:
+    for pattern in patterns:
+        if not any(_matches(pattern, n, m) for n, m in named):
+            classes = sorted({class_name(m) for _, m in named})
+            names = [n for n, _ in named if n][:6]
+            raise PolicyApplyError(
+                f"{where}: pattern {pattern!r} matches no module of "
+                f"{class_name(model)}; class names here: {', '.join(classes[:8])}"
+                f"{', ...' if len(classes) > 8 else ''}; qualified names: {', '.join(names)}"
+                f"{', ...' if len(named) - 1 > 6 else ''}"
+            )
+
+
+def _refuse_nested(matched: list[tuple[str, nn.Module]], where: str, why: str) -> None:
+    for i, (outer, om) in enumerate(matched):
+        for inner, im in matched[i + 1:]:
+            if not outer or inner.startswith(outer + "."):
+                raise PolicyApplyError(
+                    f"{where}: {label(outer, om)} and its submodule {label(inner, im)} "
+                    f"are both matched: {why}"
+                )
+
+
+def _refuse_unwrappable(named: list[tuple[str, nn.Module]], matched: list[tuple[str, nn.Module]],
+                        where: str) -> None:
+    wrappers = [n for n, m in named if type(m).__name__ == "CheckpointWrapper"]
+    for n, m in matched:
+        if isinstance(m, torch.jit.ScriptModule):
+            raise PolicyApplyError(
+                f"{where}: {label(n, m)} is a TorchScript module, whose forward actcfg "
+                "cannot wrap; apply the policy before torch.jit.script, or narrow the patterns "
+                "so that they match eager modules only"
+            )
+        if type(m).forward is nn.Module.forward:
+            raise PolicyApplyError(
+                f"{where}: {label(n, m)} has no forward of its own (a container); "
+                f"checkpoint its children instead, such as `{n + '.*' if n else '*'}`"
+            )
+        inside = next((w for w in wrappers if n == w or n.startswith(w + ".")), None)
+        if inside is not None:
+            raise PolicyApplyError(
+                f"{where}: {label(n, m)} is inside torch's checkpoint_wrapper "
+                f"(`{inside or 'the model'}`), which already checkpoints it: actcfg would "
+                "recompute it twice; remove the checkpoint_wrapper, or do not checkpoint it here"
+            )
 
 
 # --- forward overrides ---------------------------------------------------------------------------

@@ -314,6 +314,7 @@ class _Step:
 
     def __init__(self) -> None:
         self.groups: list[weakref.ref[_Group]] = []
+        self.gaps: list[bool] = []  # whether each group is a gap, known after it dies too
         self.open_groups: list[_Group] = []  # strong while the forward runs (empty ones count)
 
 
@@ -672,6 +673,7 @@ class OffloadEngine:
             self._offload_groups += 1
         # Strongly held by the step while it runs (an empty group must still count), weakly after.
         self._step.groups.append(weakref.ref(group))
+        self._step.gaps.append(gap)
         self._step.open_groups.append(group)
         return group
 
@@ -785,15 +787,15 @@ class OffloadEngine:
         """Start the reloads of the `prefetch` groups just below `group`, where offloaded; the
         gaps between groups are passed over, not counted, so a reload starts one block ahead
         (never earlier, which would hold its memory through the blocks between)."""
-        groups = group.step.groups
+        groups, gaps = group.step.groups, group.step.gaps
         wanted = self.prefetch
         for i in range(group.index - 1, -1, -1):
             if wanted <= 0:
                 return
-            below = groups[i]()
-            if below is not None and below.gap:
+            if gaps[i]:
                 continue
             wanted -= 1
+            below = groups[i]()
             if below is not None and below.offloaded and below.h2d_done is None:
                 self._reload(below)
 

@@ -9,7 +9,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["CheckpointCounters", "CheckpointReport", "DeepSpeedReport", "OffloadReport"]
+__all__ = [
+    "CheckpointCounters",
+    "CheckpointReport",
+    "DeepSpeedReport",
+    "OffloadReport",
+    "PlanReport",
+    "RuleReport",
+]
 
 
 @dataclass(frozen=True)
@@ -116,3 +123,72 @@ class DeepSpeedReport:
     def to_json(self) -> dict[str, Any]:
         """JSON-able form."""
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class RuleReport:
+    """One rule of `checkpoint.mode: rules` as applied: the modules it took and what they do."""
+
+    index: int
+    """Position of the rule in `checkpoint.rules` (0 first)."""
+    modules: tuple[str, ...]
+    """Qualified names of the modules that took this rule (the first rule matching wins)."""
+    checkpoint: str
+    """`none`, `full` or `selective`."""
+    offload: bool
+    """True when the modules' group is offloaded (what they keep goes to host memory)."""
+    save_ops: tuple[str, ...] | None = None
+    """With `selective`: the ops whose outputs are saved."""
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able form."""
+        out = asdict(self)
+        out["modules"] = list(self.modules)
+        out["save_ops"] = None if self.save_ops is None else list(self.save_ops)
+        return out
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """What `checkpoint.mode: auto` planned: the choice per candidate module, what the plan
+    predicted, and the rules policy that was applied (the same `actcfg plan` would write)."""
+
+    memory_budget: int
+    """The budget planned for, in bytes of GPU memory above a step's start."""
+    choices: tuple[tuple[str, str], ...]
+    """(module, choice) for every candidate module in forward order; a choice is one of
+    `keep`, `selective`, `full`, `full_offload`, `offload`."""
+    predicted_step_time_ms: float
+    """Predicted time of one training step under the plan."""
+    predicted_peak: int
+    """Predicted peak GPU memory of a step above its start, in bytes."""
+    plain_step_time_ms: float
+    """The step time measured without any policy while profiling."""
+    plain_peak: int
+    """The peak measured without any policy while profiling, in bytes."""
+    max_inflight: int
+    """Copies to the host the plan lets run at once."""
+    kept_at_turn: int
+    """Candidate modules after the last offloaded one that stay on the GPU at the turn."""
+    policy_yaml: str
+    """The plan as an explicit `checkpoint.mode: rules` policy file."""
+    device: str
+    """Where the profile ran (`cuda`, or `cpu`, where times are wall-clock and memory is counted
+    from saved tensors, not measured)."""
+
+    def summary(self) -> str:
+        """One line: the choices and the prediction."""
+        counts: dict[str, int] = {}
+        for _, choice in self.choices:
+            counts[choice] = counts.get(choice, 0) + 1
+        mix = ", ".join(f"{n} {c}" for c, n in counts.items())
+        return (f"actcfg: planned {len(self.choices)} modules within memory_budget "
+                f"{self.memory_budget / 2**30:.2f} GiB: {mix}; predicted {self.predicted_step_time_ms:.1f} ms, "
+                f"peak {self.predicted_peak / 2**30:.2f} GiB (plain {self.plain_step_time_ms:.1f} ms, "
+                f"{self.plain_peak / 2**30:.2f} GiB; profiled on {self.device})")
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able form."""
+        out = asdict(self)
+        out["choices"] = [{"module": m, "choice": c} for m, c in self.choices]
+        return out

@@ -21,7 +21,14 @@ from actcfg._apply_deepspeed import apply_deepspeed, current_state, mpu_from_gro
 from actcfg._apply_torch import apply_torch, block_groups, resolve_ops
 from actcfg._wrap import APPLIED, WRAPPED, Marker, select_modules
 from actcfg.errors import PolicyApplyError
-from actcfg.reports import CheckpointCounters, CheckpointReport, DeepSpeedReport, OffloadReport
+from actcfg.reports import (
+    CheckpointCounters,
+    CheckpointReport,
+    DeepSpeedReport,
+    OffloadReport,
+    PlanReport,
+    RuleReport,
+)
 from actcfg.schema import Backend, Policy, format_size
 
 __all__ = [
@@ -87,6 +94,14 @@ class AppliedPolicy:
         self.deepspeed: DeepSpeedReport | None = None
         self.engine: Any = None
         """The `actcfg.offload.OffloadEngine`, when actcfg offloads (torch backend)."""
+        self.rules: tuple[RuleReport, ...] | None = None
+        """With `checkpoint.mode: rules` (or a plan): each rule and the modules it took."""
+        self.rule_counters: tuple[CheckpointCounters, ...] = ()
+        """With rules: each rule's own checkpoint counters (`counters` sums them)."""
+        self.plan: PlanReport | None = None
+        """With `checkpoint.mode: auto`: what was planned and predicted."""
+        self.offload_group_names: dict[int, str] = {}
+        """Offload group index -> the module that opened it, in the last step."""
         self._removed = False
 
     # Appliers record what they did once; a second record is a bug, not a policy.
@@ -99,6 +114,35 @@ class AppliedPolicy:
         """Record the offload applied."""
         assert self.offload is None
         self.offload = report
+
+    def set_rules(self, rules: tuple[RuleReport, ...]) -> None:
+        """Record the rules applied, each with the modules it took."""
+        assert self.rules is None
+        self.rules = rules
+
+    def set_plan(self, plan: PlanReport) -> None:
+        """Record what `checkpoint.mode: auto` planned."""
+        assert self.plan is None
+        self.plan = plan
+
+    @property
+    def ruled(self) -> tuple[str, ...]:
+        """Qualified names of the modules a rule took, in module order (empty without rules)."""
+        if not self.rules:
+            return ()
+        names = {n for r in self.rules for n in r.modules}
+        return tuple(n for n, _ in self.model.named_modules() if n in names)
+
+    def offload_groups(self) -> list[dict[str, Any]]:
+        """The last step's offload groups opened at a module: its name, and the bytes it moved
+        to the host and kept on the device (empty without actcfg's engine)."""
+        if self.engine is None or not self.engine.stats.group_offloaded_bytes:
+            return []
+        st = self.engine.stats
+        return [{"module": name, "offloaded_bytes": st.group_offloaded_bytes[i],
+                 "kept_bytes": st.group_kept_bytes[i]}
+                for i, name in sorted(self.offload_group_names.items())
+                if i < len(st.group_offloaded_bytes)]
 
     def set_deepspeed(self, report: DeepSpeedReport) -> None:
         """Record DeepSpeed's configuration as read back."""
@@ -129,7 +173,7 @@ class AppliedPolicy:
     def report(self) -> dict[str, Any]:
         """Everything applied and what it did since, as JSON-able data: `effect` holds the
         checkpoint counters and the offload engine's counters of the last step."""
-        return {
+        out: dict[str, Any] = {
             "backend": str(self.backend),
             "checkpoint": None if self.checkpoint is None else self.checkpoint.to_json(),
             "offload": None if self.offload is None else self.offload.to_json(),
@@ -139,12 +183,28 @@ class AppliedPolicy:
                 "offload": None if self.engine is None else self.engine.stats.as_dict(),
             },
         }
+        if self.rules is not None:
+            out["rules"] = [r.to_json() for r in self.rules]
+            out["effect"]["rules"] = [c.to_json() for c in self.rule_counters]
+            if self.engine is not None:
+                out["effect"]["offload_groups"] = self.offload_groups()
+        if self.plan is not None:
+            out["plan"] = self.plan.to_json()
+        return out
 
     def summary(self) -> str:
         """One line: what is checkpointed, offloaded and configured."""
         ck = self.checkpoint
         parts = [f"actcfg: backend {self.backend}"]
-        if ck is None:
+        if self.rules is not None:
+            counts: dict[str, int] = {}
+            for r in self.rules:
+                kind = r.checkpoint + (" + offload" if r.offload else "")
+                counts[kind] = counts.get(kind, 0) + len(r.modules)
+            mix = ", ".join(f"{n} {k}" for k, n in counts.items())
+            parts.append(f"per-module rules over {len(self.ruled)} modules ({mix})"
+                         + (f" via {ck.api}" if ck is not None and ck.api else ""))
+        elif ck is None:
             parts.append("no checkpointing")
         elif ck.api is None:
             parts.append("checkpointing by the model itself")
@@ -194,8 +254,16 @@ def _short_list(names: tuple[str, ...], limit: int = 3) -> str:
 
 
 def apply(model: nn.Module, cfg: Any, *, backend: Backend | str | None = None,
-          mpu: Any = None) -> AppliedPolicy:
-    """Put the policy `cfg` (path, YAML string, dict or Policy) into effect on `model`."""
+          mpu: Any = None, inputs: Any = None, loss_fn: Callable[[Any], Any] | None = None) -> AppliedPolicy:
+    """Put the policy `cfg` (path, YAML string, dict or Policy) into effect on `model`.
+
+    With `checkpoint.mode: auto`, `inputs` (a batch as the model takes it: a tensor, a tuple of
+    positional arguments or a dict of keyword arguments) is needed: one training step is
+    profiled with it right here (`loss_fn(output)` -> scalar; default: the output's `loss`, else
+    the sum of squares of its first tensor), the fastest per-module plan whose predicted peak
+    fits `memory_budget` is chosen, logged in one line, and applied (`handle.plan` says what was
+    planned and predicted).
+    """
     from actcfg.checker import load
 
     if not isinstance(model, nn.Module):
@@ -204,9 +272,31 @@ def apply(model: nn.Module, cfg: Any, *, backend: Backend | str | None = None,
     policy = load(cfg, backends=() if chosen is None else (chosen,))
     chosen = chosen or policy.backend
     _refuse_if_applied(model)
+    applied = policy
+    plan: PlanReport | None = None
+    if policy.checkpoint.mode == "auto":
+        if inputs is None:
+            raise PolicyApplyError(
+                "checkpoint.mode auto plans from a profile of one training step, and apply() got "
+                "no example inputs: pass inputs= (a batch, as the model takes it) to plan here, or "
+                "write the plan with `actcfg plan CONFIG --model pkg.module:factory -o plan.yaml` "
+                "and apply that file")
+        if mpu is not None:
+            raise PolicyApplyError("mpu= is for the deepspeed backend; a plan runs on torch "
+                                   "(remove mpu=)")
+        from actcfg.plan import plan_model
+
+        applied, plan = plan_model(model, policy, inputs, loss_fn=loss_fn, apply=apply)
+        log.info(plan.summary())
+    elif inputs is not None or loss_fn is not None:
+        raise PolicyApplyError(
+            f"inputs= and loss_fn= are for checkpoint.mode auto (they profile a step to plan "
+            f"from), and this policy's mode is {policy.checkpoint.mode}: remove them")
     handle = AppliedPolicy(model, policy, chosen)
+    if plan is not None:
+        handle.set_plan(plan)
     try:
-        APPLIERS[chosen](model, policy, handle, mpu)
+        APPLIERS[chosen](model, applied, handle, mpu)
         model.__dict__[APPLIED] = Marker(handle.summary())
         handle.undo.push(lambda: model.__dict__.pop(APPLIED, None))
     except BaseException:

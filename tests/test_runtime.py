@@ -663,3 +663,125 @@ def test_every_larger_than_the_matches_is_refused_not_a_silent_no_op():
                        r"every n-th match is checkpointed, so none would be; set `every` to at most 3$"):
         apply(model, {"version": 1, "checkpoint": {"mode": "full", "modules": ["Linear"], "every": 4}})
     assert not any("_actcfg" in k for m in model.modules() for k in m.__dict__)  # nothing left behind
+
+
+# --- per-module rules (checkpoint.mode: rules) --------------------------------------------------
+
+
+def rules_policy(*rules: dict, **section) -> dict:
+    return {"version": 1, "checkpoint": {"mode": "rules", "rules": list(rules), **section}}
+
+
+def test_each_module_runs_its_rule_first_match_wins_and_remove_restores_everything():
+    model, x = small_blocks(4)
+    plain = copy.deepcopy(model)
+    before, named = module_state(model), names(model)
+    handle = apply(model, rules_policy(
+        {"modules": ["blocks.0", "blocks.3"], "mode": "full"},
+        {"modules": ["blocks.1"], "mode": "none"},  # keeps blocks.1 out of the next rule
+        {"modules": ["Block"], "mode": "selective", "save_ops": ["aten.mm", "aten.addmm"]},
+    ))
+    assert [(r.index, r.modules, r.checkpoint, r.offload, r.save_ops) for r in handle.rules] == [
+        (0, ("blocks.0", "blocks.3"), "full", False, None),
+        (1, ("blocks.1",), "none", False, None),
+        (2, ("blocks.2",), "selective", False, ("aten.mm", "aten.addmm")),
+    ]
+    assert handle.checkpointed == ("blocks.0", "blocks.2", "blocks.3")
+    assert handle.ruled == ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
+    assert handle.engine is None and handle.offload is None  # no rule offloads
+    assert names(model) == named
+    want, got = step(plain, x), step(model, x)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6)
+    assert [c.to_json() for c in handle.rule_counters] == [
+        {"calls": 2, "runs": 4, "recomputes": 2}, {"calls": 0, "runs": 0, "recomputes": 0},
+        {"calls": 1, "runs": 2, "recomputes": 1}]
+    assert handle.counters.recomputes == 3
+    assert handle.report()["effect"]["rules"][0] == {"calls": 2, "runs": 4, "recomputes": 2}
+    assert handle.summary() == (
+        "actcfg: backend torch; per-module rules over 4 modules (2 full, 1 none, 1 selective) "
+        "via torch.utils.checkpoint.checkpoint")
+    handle.remove()
+    assert module_state(model) == before
+
+
+def test_selective_rule_recomputes_only_what_it_does_not_save():
+    model, x = small_blocks(2)
+
+    def flops() -> int:
+        with FlopCounterMode(display=False) as counter:
+            step(model, x)
+        return sum(counter.get_flop_counts()["Global"].values())
+
+    plain = flops()
+    with apply(model, rules_policy({"modules": ["Block"], "mode": "selective", "save_ops": ["aten.mm", "aten.addmm"]})):
+        assert flops() == plain  # every matmul output saved: no matmul runs again
+    with apply(model, rules_policy({"modules": ["Block"], "mode": "full"})):
+        assert flops() > 1.2 * plain
+
+
+def test_rules_offload_only_the_groups_whose_rule_says_so(loopback):
+    model, x = big_blocks(4)
+    plain = copy.deepcopy(model)
+    handle = apply_offload(model, rules_policy(
+        {"modules": ["blocks.0"], "mode": "none", "cpu_checkpointing": True},
+        {"modules": ["blocks.1"], "mode": "full", "cpu_checkpointing": True},
+        {"modules": ["blocks.2"], "mode": "full"},
+        {"modules": ["blocks.3"], "mode": "none"},
+        keep_last=0,
+    ))
+    assert handle.offload.scope == "rules" and handle.offload.groups == tuple(f"blocks.{i}" for i in range(4))
+    assert (handle.engine.keep_last, handle.engine.max_inflight) == (0, 1)
+    want, got = step(plain, x), step(model, x)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    groups = {g["module"]: g for g in handle.offload_groups()}
+    one = x.numel() * 4
+    assert groups["blocks.1"] == {"module": "blocks.1", "offloaded_bytes": one, "kept_bytes": 0}  # its input
+    assert groups["blocks.0"]["offloaded_bytes"] > 3 * one  # everything block 0 saves
+    assert groups["blocks.2"]["offloaded_bytes"] == 0 and groups["blocks.2"]["kept_bytes"] == one
+    assert groups["blocks.3"]["offloaded_bytes"] == 0 and groups["blocks.3"]["kept_bytes"] > 3 * one
+    stats = handle.engine.stats
+    assert stats.offloaded_bytes == groups["blocks.0"]["offloaded_bytes"] + one == stats.reloaded_bytes
+    assert stats.late_reloads == 0  # each reload started one block ahead, at the block above
+    assert handle.counters.recomputes == 2
+    assert [g["module"] for g in handle.report()["effect"]["offload_groups"]] == list(groups)
+
+
+def test_rules_keep_last_keeps_the_newest_offloaded_modules_from_the_second_step(loopback):
+    model, x = big_blocks(4)
+    handle = apply_offload(model, rules_policy({"modules": ["Block"], "mode": "none", "cpu_checkpointing": True},
+                                               keep_last=2, max_inflight=2))
+    assert (handle.engine.keep_last, handle.engine.max_inflight) == (2, 2)
+    step(model, x)
+    step(model, x)
+    moved = [g["module"] for g in handle.offload_groups() if g["offloaded_bytes"]]
+    assert moved == ["blocks.0", "blocks.1"]
+
+
+def test_a_rule_that_applies_to_nothing_is_refused():
+    model, _ = small_blocks(2)
+    with pytest.raises(PolicyApplyError, match=r"^checkpoint\.rules\.1: every module its patterns match was "
+                       r"taken by an earlier rule \(rule 0; the first match wins\), so it applies to none; "
+                       r"remove it, or narrow the earlier rule$"):
+        apply(model, rules_policy({"modules": ["Block"]}, {"modules": ["blocks.1"], "mode": "selective"}))
+    with pytest.raises(PolicyApplyError, match=r"^checkpoint\.rules\.0\.modules: pattern 'Blok' matches no module"):
+        apply(model, rules_policy({"modules": ["Blok"]}))
+    with pytest.raises(PolicyApplyError, match=r"^checkpoint\.rules: `blocks\.0` \(Block\) and its submodule "
+                       r"`blocks\.0\.qkv` \(Linear\) are both matched: each module takes one rule"):
+        apply(model, rules_policy({"modules": ["blocks.0"], "mode": "none"}, {"modules": ["blocks.*.qkv"]}))
+    assert not any("_actcfg" in k for m in model.modules() for k in m.__dict__)
+
+
+def test_auto_without_inputs_is_refused_with_both_ways_out():
+    model, _ = small_blocks(2)
+    cfg = {"version": 1, "checkpoint": {"mode": "auto", "modules": ["Block"]}, "memory_budget": "1GiB"}
+    with pytest.raises(PolicyApplyError, match=(
+            r"^checkpoint\.mode auto plans from a profile of one training step, and apply\(\) got no "
+            r"example inputs: pass inputs= \(a batch, as the model takes it\) to plan here, or write "
+            r"the plan with `actcfg plan CONFIG --model pkg\.module:factory -o plan\.yaml` and apply "
+            r"that file$")):
+        apply(model, cfg)
+    with pytest.raises(PolicyApplyError, match=r"^inputs= and loss_fn= are for checkpoint\.mode auto"):
+        apply(model, policy("full", ["Block"]), inputs=torch.randn(2, 8, 32))
+    assert not any("_actcfg" in k for m in model.modules() for k in m.__dict__)
