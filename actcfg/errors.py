@@ -6,6 +6,7 @@ __all__ = [
     "ActcfgError",
     "ConfigLoadError",
     "OffloadError",
+    "PlanError",
     "PolicyApplyError",
     "TranslationError",
     "VerifyError",
@@ -47,3 +48,12 @@ class VerifyError(ActcfgError):
 
 class OffloadError(PolicyApplyError):
     """The offload engine cannot do what the policy asks (no CUDA, out of GPU memory on reload)."""
+
+
+class PlanError(PolicyApplyError):
+    """No plan fits `memory_budget` (`smallest_peak`: the lowest peak any plan reaches, in
+    bytes), or the model could not be profiled."""
+
+    def __init__(self, message: str, smallest_peak: int | None = None) -> None:
+        super().__init__(message)
+        self.smallest_peak = smallest_peak

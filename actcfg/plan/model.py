@@ -1,0 +1,129 @@
+"""What a profile of one training step says about each candidate block, as plain data (no torch).
+
+`actcfg.plan.profile` measures it on the GPU (or estimates it on the CPU, for tests), and
+`actcfg.plan.solve` chooses from it. Bytes are GPU bytes above what is allocated when a step
+begins; times are milliseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = [
+    "CHOICES",
+    "COUNTERPART",
+    "OFFLOADS",
+    "RULE_OF",
+    "BlockProfile",
+    "Option",
+    "Profile",
+]
+
+CHOICES: tuple[str, ...] = ("keep", "selective", "full", "full_offload", "offload")
+"""What a block may do with what it saves, from the most memory to the least (roughly)."""
+
+OFFLOADS: frozenset[str] = frozenset({"full_offload", "offload"})
+"""The choices that copy to the host and back."""
+
+COUNTERPART: dict[str, str] = {"full_offload": "full", "offload": "keep"}
+"""Each offload choice's on-device twin: the same recompute, without the copies."""
+
+RULE_OF: dict[str, dict[str, Any]] = {
+    "keep": {"mode": "none"},
+    "selective": {"mode": "selective"},
+    "full": {"mode": "full"},
+    "full_offload": {"mode": "full", "cpu_checkpointing": True},
+    "offload": {"mode": "none", "cpu_checkpointing": True},
+}
+"""Each choice as a rule of `checkpoint.mode: rules` (without its modules)."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """What one block costs under one choice.
+
+    The memory model (see `actcfg.plan.solve`): with S the bytes the blocks before this one hold,
+    its forward peaks at S + (copies still in flight) + `forward_peak`, its backward at
+    S + (the reload of the block below, started during it) + `backward_peak`, and from its
+    forward to its backward it adds `held` to what every later block sees.
+    """
+
+    held: int
+    """Bytes the block keeps on the device from its forward to its backward."""
+    moved: int = 0
+    """Bytes copied to the host in forward and back in backward (offload choices)."""
+    forward_peak: int = 0
+    """Peak during the block's forward above S and the copies in flight."""
+    backward_peak: int = 0
+    """Peak during the block's backward above S and the reload below (its own activations back
+    or rematerialized, their gradients, and the parameter gradients of the blocks after it)."""
+    recompute_ms: float = 0.0
+    """Its forward run again in backward (full: all of it; selective: all but the saved ops)."""
+    extra_ms: float = 0.0
+    """Everything this choice adds to a plain step besides copies the model prices separately:
+    the recompute, and what the uniform run of this choice measured beyond the model."""
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    """One candidate block: its plain forward and backward time, and each choice's cost."""
+
+    name: str
+    """Qualified module name."""
+    forward_ms: float
+    backward_ms: float
+    options: dict[str, Option]
+    """The choices measured for this block (offload ones only where offloading can run)."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One training step, profiled: the candidate blocks in forward order and the rest."""
+
+    blocks: tuple[BlockProfile, ...]
+    plain_step_ms: float
+    """Step time with no policy."""
+    plain_peak: int
+    """Peak bytes of a step with no policy."""
+    turn_peak: int
+    """Peak around the forward/backward turn above what the blocks hold (what runs after the
+    blocks: a head, the loss, the start of backward)."""
+    forward_after_ms: float
+    """Forward compute after the last block (the last block's copy can hide behind it)."""
+    backward_before_ms: float
+    """Backward compute before the last block's backward (its reload can hide behind it)."""
+    d2h_gbps: float = 0.0
+    """Copy bandwidth to the host, pinned, GB/s (0: offload not profiled)."""
+    h2d_gbps: float = 0.0
+    """Copy bandwidth back to the device, pinned, GB/s."""
+    device: str = "cuda"
+    """`cuda`: measured; `cpu`: times are wall-clock and memory is counted, not measured."""
+    measured: dict[str, dict[str, float]] = field(default_factory=dict)
+    """The uniform runs measured while profiling: choice -> {step_ms, peak}."""
+    notes: tuple[str, ...] = ()
+    """What the profile could not measure and estimated instead."""
+
+    def copy_ms(self, nbytes: int, to_host: bool) -> float:
+        """Milliseconds one copy of `nbytes` takes at the profiled bandwidth."""
+        gbps = self.d2h_gbps if to_host else self.h2d_gbps
+        return 0.0 if nbytes == 0 or gbps <= 0 else nbytes / (gbps * 1e6)
+
+    def choices(self) -> tuple[str, ...]:
+        """The choices every block has, in CHOICES order."""
+        return tuple(c for c in CHOICES if all(c in b.options for b in self.blocks))
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able form."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Profile:
+        """The profile `to_json` wrote."""
+        blocks = tuple(
+            BlockProfile(b["name"], b["forward_ms"], b["backward_ms"],
+                         {c: Option(**o) for c, o in b["options"].items()})
+            for b in data["blocks"])
+        rest = {k: v for k, v in data.items() if k != "blocks"}
+        rest["notes"] = tuple(rest.get("notes", ()))
+        return cls(blocks=blocks, **rest)

@@ -1,0 +1,277 @@
+"""Choose per block among keep / selective / full / full + offload / offload: the least predicted
+step time whose predicted peak stays within the budget. Pure: plain numbers in, a plan out.
+
+The model, for blocks 0..n-1 in forward order with choices c (S_b: bytes blocks 0..b-1 hold,
+the sum of their `held`; M_b: bytes block b copies each way; d_b, h_b: those copies' times):
+
+* peak = the largest of, for every block b, its forward (S_b + in flight + `forward_peak`) and
+  its backward (S_b + M_{b-1} if block b-1 is offloaded, its reload starting when b's backward
+  does, + `backward_peak`), and the turn (S_n + in flight + the profile's `turn_peak`). In
+  flight during b's forward: block b-1's copy, and block b-2's if it is still running (its
+  copy is longer than block b-1's forward, and nothing waited for it: with `max_inflight` 1 the
+  launch at the end of an offloaded block b-1 waits for it).
+* step time = the plain step + each block's `extra_ms` (recompute, and what its uniform run
+  measured beyond this model) + the copy time nothing hides: a block's copy to the host hides
+  behind the forward of the blocks up to the next launch that must wait for it (the next
+  block's end when that block offloads too and `max_inflight` is 1; else the next two blocks,
+  less the next one's own copy), its reload behind the next block's backward and recompute
+  (the last block's: behind what runs after the blocks).
+
+Every term depends on a block and its neighbours only, so an exact dynamic program over the
+blocks finds the optimum: states are the last two choices, each holding the Pareto front of
+(bytes held so far, time so far); a front larger than `MAX_FRONT` is thinned to the fastest
+entry per 1/MAX_FRONT of the budget, which keeps every plan within the budget (bytes are never
+rounded) but may miss the optimum by that grain. Ties go to fewer bytes copied: an offload
+costs at least its on-device twin (the profile clamps it so), so a plan offloads a block only
+where the twin would not fit, that is, where the offload lowers the peak.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from actcfg.errors import PlanError
+from actcfg.plan.model import OFFLOADS, Profile
+
+__all__ = ["MAX_FRONT", "Plan", "predict", "smallest_peak", "solve"]
+
+MAX_FRONT = 2048
+"""Most entries one state of the dynamic program keeps (see the module docstring)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen choice per block, the engine's schedule, and what the model predicts."""
+
+    blocks: tuple[str, ...]
+    choices: tuple[str, ...]
+    max_inflight: int
+    step_ms: float
+    """Predicted step time."""
+    peak: int
+    """Predicted peak bytes (at most `budget`)."""
+    budget: int
+
+    @property
+    def kept_at_turn(self) -> int:
+        """Blocks after the last offloaded one, which stay on the GPU at the forward/backward
+        turn (where nothing hides a copy); 0 when the plan offloads nothing."""
+        offloaded = [i for i, c in enumerate(self.choices) if c in OFFLOADS]
+        return len(self.choices) - 1 - offloaded[-1] if offloaded else 0
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able form."""
+        return {"blocks": [{"module": b, "choice": c} for b, c in zip(self.blocks, self.choices)],
+                "max_inflight": self.max_inflight, "kept_at_turn": self.kept_at_turn,
+                "step_ms": self.step_ms, "peak": self.peak, "budget": self.budget}
+
+
+class _Terms:
+    """The model's terms for one profile and one `max_inflight`."""
+
+    def __init__(self, profile: Profile, max_inflight: int) -> None:
+        self.p = profile
+        self.m = max_inflight
+        self.n = len(profile.blocks)
+        self.f = [b.forward_ms for b in profile.blocks]
+        self.g = [b.backward_ms for b in profile.blocks]
+
+    def opt(self, b: int, c: str) -> Any:
+        return self.p.blocks[b].options[c]
+
+    def moved(self, b: int, c: str | None) -> int:
+        return self.opt(b, c).moved if c in OFFLOADS else 0
+
+    def d2h(self, b: int, c: str | None) -> float:
+        return self.p.copy_ms(self.moved(b, c), to_host=True)
+
+    def h2d(self, b: int, c: str | None) -> float:
+        return self.p.copy_ms(self.moved(b, c), to_host=False)
+
+    def inflight(self, b: int, p2: str | None, p1: str | None) -> int:
+        """Copies still on the device while block b runs forward (b = n: at the turn)."""
+        out = self.moved(b - 1, p1) if b >= 1 else 0
+        if b >= 2 and p2 in OFFLOADS and (self.m >= 2 or p1 not in OFFLOADS):
+            if self.d2h(b - 2, p2) > self.f[b - 1]:
+                out += self.moved(b - 2, p2)
+        return out
+
+    def need(self, b: int, p2: str | None, p1: str | None, c: str) -> int:
+        """Bytes block b needs above S (the larger of its forward and backward peaks)."""
+        o = self.opt(b, c)
+        forward = self.inflight(b, p2, p1) + o.forward_peak
+        backward = (self.moved(b - 1, p1) if b >= 1 else 0) + o.backward_peak
+        return max(forward, backward)
+
+    def turn(self, p2: str | None, p1: str | None) -> int:
+        """Bytes needed above S_n at the forward/backward turn."""
+        return self.inflight(self.n, p2, p1) + self.p.turn_peak
+
+    def exposed(self, b: int, c: str, after: str | None) -> float:
+        """Copy time of block b (choice c) that nothing hides, given the next block's choice."""
+        if c not in OFFLOADS:
+            return 0.0
+        n = self.n
+        if b + 1 < n:
+            f1 = self.f[b + 1]
+            window_back = self.g[b + 1] + self.opt(b + 1, after).recompute_ms
+        else:
+            f1 = self.p.forward_after_ms
+            window_back = self.p.backward_before_ms
+        window = f1
+        if b + 1 < n:
+            # The next launch that waits for this copy: at the end of the next block if it
+            # offloads (with max_inflight 1), else no earlier than the end of the one after.
+            f2 = self.f[b + 2] if b + 2 < n else self.p.forward_after_ms
+            if after not in OFFLOADS:
+                window = f1 + f2
+            elif self.m >= 2:
+                window = max(f1, f1 + f2 - self.d2h(b + 1, after))
+        return max(0.0, self.d2h(b, c) - window) + max(0.0, self.h2d(b, c) - window_back)
+
+    def cost(self, b: int, c: str) -> float:
+        return self.opt(b, c).extra_ms
+
+
+def predict(profile: Profile, choices: tuple[str, ...] | list[str], max_inflight: int = 1) -> tuple[float, int]:
+    """(step ms, peak bytes) the model predicts for `choices` (one per block)."""
+    t = _Terms(profile, max_inflight)
+    if len(choices) != t.n:
+        raise ValueError(f"{len(choices)} choices for {t.n} blocks")
+    step = profile.plain_step_ms
+    peak = 0
+    held = 0
+    p2: str | None = None
+    p1: str | None = None
+    for b, c in enumerate(choices):
+        peak = max(peak, held + t.need(b, p2, p1, c))
+        held += t.opt(b, c).held
+        step += t.cost(b, c)
+        if b >= 1:
+            step += t.exposed(b - 1, p1, c)
+        p2, p1 = p1, c
+    if t.n:
+        step += t.exposed(t.n - 1, p1, None)
+    peak = max(peak, held + t.turn(p2, p1))
+    return step, peak
+
+
+def _prune(entries: list[tuple[Any, ...]], grain: float) -> list[tuple[Any, ...]]:
+    """The Pareto front of (held, (time, bytes)); thinned to one entry per `grain` of held bytes
+    when larger than MAX_FRONT."""
+    entries.sort(key=lambda e: (e[0], e[1], e[2]))
+    front: list[tuple[Any, ...]] = []
+    best: tuple[float, int] | None = None
+    for e in entries:
+        key = (e[1], e[2])
+        if best is None or key < best:
+            front.append(e)
+            best = key
+    if len(front) > MAX_FRONT:
+        thin: dict[int, tuple[Any, ...]] = {}
+        for e in front:
+            bucket = int(e[0] // grain)
+            if bucket not in thin or (e[1], e[2]) < (thin[bucket][1], thin[bucket][2]):
+                thin[bucket] = e
+        front = sorted(thin.values(), key=lambda e: e[0])
+    return front
+
+
+def _fastest(profile: Profile, budget: int, max_inflight: int,
+             choices: tuple[str, ...]) -> tuple[float, int, tuple[str, ...]] | None:
+    """(time, bytes copied, choices) of the fastest plan within `budget`, or None."""
+    t = _Terms(profile, max_inflight)
+    grain = max(1.0, budget / MAX_FRONT)
+    # entry: (held, time, bytes copied, parent entry, choice)
+    fronts: dict[tuple[str | None, str | None], list[tuple[Any, ...]]] = {
+        (None, None): [(0, profile.plain_step_ms, 0, None, None)]}
+    for b in range(t.n):
+        new: dict[tuple[str | None, str | None], list[tuple[Any, ...]]] = {}
+        for (p2, p1), entries in fronts.items():
+            for c in choices:
+                room = budget - t.need(b, p2, p1, c)
+                if room < 0:
+                    continue
+                o = t.opt(b, c)
+                dt = t.cost(b, c) + (t.exposed(b - 1, p1, c) if b >= 1 else 0.0)
+                out = new.setdefault((p1, c), [])
+                for e in entries:  # sorted by held: past `room`, none fits
+                    if e[0] > room:
+                        break
+                    out.append((e[0] + o.held, e[1] + dt, e[2] + o.moved, e, c))
+        fronts = {k: _prune(v, grain) for k, v in new.items() if v}
+        if not fronts:
+            return None
+    best: tuple[Any, ...] | None = None
+    for (p2, p1), entries in fronts.items():
+        room = budget - t.turn(p2, p1)
+        tail = t.exposed(t.n - 1, p1, None) if t.n else 0.0
+        for e in entries:
+            if e[0] > room:
+                break
+            cand = (e[1] + tail, e[2], e)
+            if best is None or cand[:2] < best[:2]:
+                best = cand
+    if best is None:
+        return None
+    picked: list[str] = []
+    e = best[2]
+    while e[3] is not None:
+        picked.append(e[4])
+        e = e[3]
+    return best[0], best[1], tuple(reversed(picked))
+
+
+def smallest_peak(profile: Profile, max_inflight: int = 1) -> int:
+    """The smallest peak the model predicts for any choices (Pareto front of held bytes and
+    peak so far, per state of the last two choices)."""
+    t = _Terms(profile, max_inflight)
+    choices = profile.choices()
+    fronts: dict[tuple[str | None, str | None], list[tuple[int, int]]] = {(None, None): [(0, 0)]}
+    for b in range(t.n):
+        new: dict[tuple[str | None, str | None], list[tuple[int, int]]] = {}
+        for (p2, p1), entries in fronts.items():
+            for c in choices:
+                need, held = t.need(b, p2, p1, c), t.opt(b, c).held
+                new.setdefault((p1, c), []).extend((s + held, max(pk, s + need)) for s, pk in entries)
+        fronts = {}
+        for k, v in new.items():
+            v.sort()
+            front, best = [], math.inf
+            for s, pk in v:
+                if pk < best:
+                    front.append((s, pk))
+                    best = pk
+            fronts[k] = front
+    return min(max(pk, s + t.turn(p2, p1)) for (p2, p1), v in fronts.items() for s, pk in v)
+
+
+def solve(profile: Profile, budget: int, *, max_inflight: tuple[int, ...] = (1, 2)) -> Plan:
+    """The fastest plan whose predicted peak fits `budget` (bytes); PlanError, with the smallest
+    peak any choice reaches, when none does. `max_inflight` 2 is tried only where a block can
+    offload; the faster wins, 1 on a tie (it holds less)."""
+    choices = profile.choices()
+    if not profile.blocks:
+        raise PlanError("the profile has no candidate module to plan for", smallest_peak=None)
+    tries = max_inflight if any(c in OFFLOADS for c in choices) else max_inflight[:1]
+    found: tuple[float, int, int, tuple[str, ...]] | None = None
+    for m in tries:
+        got = _fastest(profile, budget, m, choices)
+        if got is not None and (found is None or (got[0], got[1], m) < found[:3]):
+            found = (got[0], got[1], m, got[2])
+    if found is None:
+        lowest = min(smallest_peak(profile, m) for m in tries)
+        raise PlanError(
+            f"no plan fits memory_budget {_gib(budget)}: the smallest peak any choice of "
+            f"{', '.join(choices)} per module reaches is {_gib(lowest)} (plain: "
+            f"{_gib(profile.plain_peak)}). Raise memory_budget to at least {_gib(lowest)}, or plan "
+            "over more or finer modules (`checkpoint.modules`)", smallest_peak=lowest)
+    _, _, m, picked = found
+    step, peak = predict(profile, picked, m)
+    return Plan(tuple(b.name for b in profile.blocks), picked, m, step, peak, budget)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"

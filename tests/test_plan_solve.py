@@ -1,0 +1,225 @@
+"""actcfg.plan.solve on synthetic profiles: exact choices on hand-checkable cases, the same
+optimum as trying every plan, monotone in the budget, never above it, and offload only where it
+lowers the peak. No torch."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import subprocess
+import sys
+
+import pytest
+
+from actcfg.errors import PlanError
+from actcfg.plan import CHOICES, OFFLOADS, BlockProfile, Option, Profile, predict, smallest_peak, solve
+from actcfg.plan.model import COUNTERPART
+from actcfg.plan.write import policy_text
+from actcfg.schema import Policy
+
+
+def _profile(blocks: list[dict[str, Option]], *, turn: int = 3, f: float = 1.0, g: float = 2.0,
+             gbps: float = 1e-5, after: float = 0.5, before: float = 0.5) -> Profile:
+    """Blocks of forward f, backward g ms; copies of 10 bytes take 1 ms at the default bandwidth."""
+    return Profile(
+        blocks=tuple(BlockProfile(f"blocks.{i}", f, g, opts) for i, opts in enumerate(blocks)),
+        plain_step_ms=100.0, plain_peak=0, turn_peak=turn, forward_after_ms=after,
+        backward_before_ms=before, d2h_gbps=gbps, h2d_gbps=gbps, device="cpu")
+
+
+def _keep_full(recompute: float) -> dict[str, Option]:
+    """A block of 10 bytes of activations and a 1-byte input: keep or full."""
+    return {
+        "keep": Option(held=10, forward_peak=10, backward_peak=12),
+        "full": Option(held=1, forward_peak=10, backward_peak=12, recompute_ms=recompute,
+                       extra_ms=recompute),
+    }
+
+
+HAND = _profile([_keep_full(1.0), _keep_full(1.5), _keep_full(0.5)])
+
+
+@pytest.mark.parametrize(("budget", "choices", "peak", "extra"), [
+    # all kept: blocks need 12, 22, 32 in turn; the turn 30 + 3
+    (33, ("keep", "keep", "keep"), 33, 0.0),
+    # one block checkpointed: the cheapest recompute (block 2) still peaks at 20 + 12
+    (32, ("keep", "keep", "full"), 32, 0.5),
+    # under 32 block 2's own backward (20 + 12) is too much: block 0 goes (1 + 10 + 12 = 23)
+    (25, ("full", "keep", "keep"), 24, 1.0),
+    (20, ("full", "full", "keep"), 15, 2.5),
+    (14, ("full", "full", "full"), 14, 3.0),
+])
+def test_exact_choices_on_a_hand_checkable_stack(budget, choices, peak, extra):
+    plan = solve(HAND, budget)
+    assert plan.choices == choices
+    assert (plan.peak, plan.step_ms) == (peak, 100.0 + extra)
+    assert plan.max_inflight == 1 and plan.kept_at_turn == 0
+    assert predict(HAND, choices) == (100.0 + extra, peak)
+
+
+def test_no_plan_fits_says_so_with_the_smallest_peak():
+    with pytest.raises(PlanError, match=r"^no plan fits memory_budget 0\.00 GiB: the smallest peak any choice "
+                       r"of keep, full per module reaches is 0\.00 GiB .*Raise memory_budget to at least") as info:
+        solve(HAND, 13)
+    assert info.value.smallest_peak == 14 == smallest_peak(HAND)
+
+
+def _random_block(rng: random.Random) -> dict[str, Option]:
+    a = rng.randint(20, 100)  # activations
+    i = rng.randint(1, 10)  # input
+    s = rng.randint(i, a)  # selective keeps the input and some op outputs
+    grads = rng.randint(0, 30)
+    rec = rng.uniform(0.5, 3.0)
+    sel = rng.uniform(0.0, rec)
+    stays = rng.randint(0, 5)
+    return {
+        "keep": Option(held=a, forward_peak=a, backward_peak=a + grads),
+        "selective": Option(held=s, forward_peak=a, backward_peak=a + grads, recompute_ms=sel, extra_ms=sel),
+        "full": Option(held=i, forward_peak=a, backward_peak=a + grads, recompute_ms=rec, extra_ms=rec),
+        "full_offload": Option(held=0, moved=i, forward_peak=a, backward_peak=a + grads,
+                               recompute_ms=rec, extra_ms=rec + rng.uniform(0, 0.2)),
+        "offload": Option(held=stays, moved=a - stays, forward_peak=a, backward_peak=a + grads,
+                          extra_ms=rng.uniform(0, 0.2)),
+    }
+
+
+def _random_profile(seed: int, n: int) -> Profile:
+    rng = random.Random(seed)
+    return _profile([_random_block(rng) for _ in range(n)], turn=rng.randint(0, 50),
+                    f=rng.uniform(0.5, 3), g=rng.uniform(1, 6), gbps=rng.uniform(2e-5, 2e-4),
+                    after=rng.uniform(0, 2), before=rng.uniform(0, 2))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_dynamic_program_finds_the_same_optimum_as_trying_every_plan(seed):
+    profile = _random_profile(seed, 4)
+    plans = [(predict(profile, cs, m), cs, m)
+             for cs in itertools.product(CHOICES, repeat=4) for m in (1, 2)]
+    lo = min(peak for (_, peak), _, _ in plans)
+    hi = max(peak for (_, peak), _, _ in plans)
+    for budget in (lo, (lo + hi) // 2, hi):
+        best = min(step for (step, peak), _, _ in plans if peak <= budget)
+        plan = solve(profile, budget)
+        assert plan.peak <= budget
+        assert plan.step_ms == pytest.approx(best, abs=1e-9)
+    assert smallest_peak(profile) == min(peak for (_, peak), _, m in plans if m == 1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_monotone_in_the_budget_and_never_above_it(seed):
+    profile = _random_profile(100 + seed, 12)
+    lowest = min(smallest_peak(profile, m) for m in (1, 2))
+    top = predict(profile, ("keep",) * 12)[1]
+    times = []
+    for k in range(13):
+        budget = lowest + (top - lowest) * k // 12
+        plan = solve(profile, budget)
+        assert plan.peak <= budget
+        assert (plan.step_ms, plan.peak) == predict(profile, plan.choices, plan.max_inflight)
+        times.append(plan.step_ms)
+    assert times == sorted(times, reverse=True)
+    assert solve(profile, top).choices == ("keep",) * 12  # everything fits: nothing to pay for
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_offload_only_where_it_lowers_the_peak(seed):
+    """Every offloaded block's on-device twin (same recompute, no copies) would not fit."""
+    profile = _random_profile(200 + seed, 8)
+    lowest = smallest_peak(profile)
+    top = predict(profile, ("keep",) * 8)[1]
+    seen = 0
+    for k in range(9):
+        budget = lowest + (top - lowest) * k // 8
+        plan = solve(profile, budget)
+        for b, c in enumerate(plan.choices):
+            if c in OFFLOADS:
+                seen += 1
+                swapped = list(plan.choices)
+                swapped[b] = COUNTERPART[c]
+                assert predict(profile, swapped, plan.max_inflight)[1] > budget, (budget, plan.choices, b)
+    assert seen  # the tight budgets needed some offload
+
+
+def test_no_offload_where_the_turn_sets_the_peak():
+    """Offloading block 0 would drop its held bytes, but the peak is the head at the turn, which
+    no choice moves: the plan keeps everything and pays for no copy."""
+    blocks = [{"keep": Option(held=10, forward_peak=10, backward_peak=10),
+               "offload": Option(held=0, moved=10, forward_peak=10, backward_peak=10)}
+              for _ in range(3)]
+    profile = _profile(blocks, turn=100)
+    plan = solve(profile, 130)
+    assert plan.choices == ("keep", "keep", "keep") and plan.peak == 130
+    with pytest.raises(PlanError):
+        solve(profile, 99)  # not even moving everything gets under the head's 100
+
+
+def test_the_newest_blocks_stay_on_the_gpu_where_their_copies_would_show():
+    """Offloading the last block exposes its copy both ways at the turn (nothing runs after it)
+    and saves no peak: its copy would still be in flight there. The plan keeps the newest blocks
+    on the GPU as far as the budget allows, and pays for no exposed copy."""
+    blocks = [{"keep": Option(held=10, forward_peak=10, backward_peak=10),
+               "offload": Option(held=0, moved=10, forward_peak=10, backward_peak=10)}
+              for _ in range(4)]
+    profile = _profile(blocks, turn=0, f=1.0, g=1.0, after=0.0, before=0.0)
+    everything = ("offload",) * 4
+    assert predict(profile, everything) == (102.0, 20)
+    plan = solve(profile, 20)
+    assert plan.choices == ("offload", "offload", "keep", "keep") and plan.kept_at_turn == 2
+    assert (plan.step_ms, plan.peak) == (100.0, 20)
+    with pytest.raises(PlanError):
+        solve(profile, 19)
+
+
+def test_two_copies_in_flight_when_a_long_copy_meets_a_short_block():
+    """Block 0's copy (3 ms) is longer than block 1's forward (1 ms): with max_inflight 1 the
+    launch at block 1's end waits 2 ms for it; with 2 it hides behind block 2 as well, which
+    keeps block 0's 30 bytes on the device through block 2's forward. The head at the turn
+    (39 bytes) makes both big blocks offload; the budget decides how many copies fly at once."""
+    def block(size: int) -> dict[str, Option]:
+        return {"keep": Option(held=size, forward_peak=size, backward_peak=size),
+                "offload": Option(held=0, moved=size, forward_peak=size, backward_peak=size)}
+
+    profile = Profile(
+        blocks=tuple(BlockProfile(f"b{i}", ms, 10.0, block(size))
+                     for i, (size, ms) in enumerate(((30, 1.0), (10, 1.0), (1, 4.0), (1, 4.0)))),
+        plain_step_ms=50.0, plain_peak=0, turn_peak=39, forward_after_ms=4.0, backward_before_ms=10.0,
+        d2h_gbps=1e-5, h2d_gbps=1e-5)
+    both = ("offload", "offload", "keep", "keep")
+    assert predict(profile, both, 1) == (52.0, 41)
+    assert predict(profile, both, 2) == (50.0, 41)  # block 2's forward: 10 + 30 in flight + 1
+    roomy, tight = solve(profile, 41), solve(profile, 40)
+    assert (roomy.choices, roomy.max_inflight, roomy.step_ms) == (both, 2, 50.0)
+    assert (tight.choices, tight.max_inflight, tight.step_ms, tight.peak) == (
+        ("offload", "offload", "offload", "keep"), 1, 52.0, 40)
+
+
+def test_the_written_plan_is_a_valid_rules_policy_with_every_block_named():
+    profile = _random_profile(7, 6)
+    lowest, top = smallest_peak(profile), predict(profile, ("keep",) * 6)[1]
+    plan = solve(profile, (lowest + top) // 2)
+    source = Policy.model_validate({"version": 1, "checkpoint": {"mode": "auto", "modules": ["Block"]},
+                                    "memory_budget": plan.budget, "pin_budget": "2GiB"})
+    text = policy_text(plan, profile, source, origin="configs/x.yaml")
+    import actcfg
+
+    policy = actcfg.load(text)
+    assert policy.checkpoint.mode == "rules"
+    named = {n: r for r in policy.checkpoint.rules for n in r.modules}
+    assert sorted(named) == sorted(b.name for b in profile.blocks)
+    from actcfg.plan.model import RULE_OF
+
+    for block, choice in zip(plan.blocks, plan.choices):
+        rule = named[block]
+        assert {"mode": rule.mode, **({"cpu_checkpointing": True} if rule.cpu_checkpointing else {})} == RULE_OF[choice]
+    assert policy.checkpoint.predicted.step_time_ms == pytest.approx(plan.step_ms, abs=0.05)
+    assert 0 <= policy.checkpoint.predicted.peak - plan.peak < 2**20
+    offloads = any(c in OFFLOADS for c in plan.choices)
+    assert (policy.pin_budget == 2 * 2**30) is offloads
+    assert text.startswith("# Written by actcfg plan from configs/x.yaml: the fastest per-module choices")
+
+
+def test_solve_imports_no_torch():
+    code = ("import sys\nfrom actcfg.plan import solve, predict\nfrom actcfg.plan.write import policy_text\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout == "[]\n"
