@@ -1,4 +1,4 @@
-"""`actcfg`: validate | schema | translate | import | verify. Flags, wiring and exit codes only.
+"""`actcfg`: validate | schema | translate | import | verify | plan. Flags, wiring and exit codes only.
 
 Exit codes (docs/architecture.md): 0 every file valid; 1 any error (or any warning under
 `--strict`); 2 usage error or a file that cannot be read. No input produces a traceback.
@@ -567,6 +567,149 @@ def _add_verify(sub: Any) -> None:
     p.set_defaults(run=_verify)
 
 
+# --- plan --------------------------------------------------------------------------------
+
+
+def _to_device(value: Any, device: Any) -> Any:
+    """The example inputs with every tensor on the model's device."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """Profile, solve, write the rules policy, apply it and measure: exit 0 when the measured
+    peak is within the budget, 1 when it is not or no plan fits, 2 for usage."""
+    from actcfg.schema import parse_size
+
+    _refuse_output_over(args.output, [args.config])
+    policy, diagnostics = check_file(args.config)
+    if policy is None:
+        return _refuse_verify(args, _exit_code(diagnostics) or 1, None, diagnostics)
+    _report(diagnostics)
+    if policy.checkpoint.mode != "auto":
+        return _refuse_verify(args, 2, (
+            f"actcfg plan plans for a policy that asks for one (`checkpoint: {{mode: auto, "
+            f"modules: [...]}}` with `memory_budget`), and {args.config} has checkpoint.mode "
+            f"{policy.checkpoint.mode}; write mode auto with the modules to plan over"))
+    if args.budget is not None:
+        try:
+            budget = parse_size(args.budget)
+        except ValueError as e:
+            return _refuse_verify(args, 2, f"--budget {args.budget!r}: {e}")
+        policy = policy.model_copy(update={"memory_budget": budget})
+    if args.steps < 1:
+        return _refuse_verify(args, 2, f"--steps must be at least 1, got {args.steps}")
+    from actcfg.verify import load_factory
+
+    try:
+        factory = load_factory(args.model)
+        try:
+            import torch
+        except ImportError:
+            raise ActcfgError("actcfg plan needs torch: pip install actcfg[torch]") from None
+        if not torch.cuda.is_available():
+            raise ActcfgError("actcfg plan profiles a training step on the GPU and needs a CUDA "
+                              "GPU, but torch.cuda.is_available() is False here: run it on a GPU "
+                              "machine")
+    except ActcfgError as e:
+        return _refuse_verify(args, 2, str(e))
+    from actcfg.errors import PlanError
+    from actcfg.plan import plan_model
+    from actcfg.plan.profile import measure_steps
+    from actcfg.runtime import apply
+    from actcfg.verify.factory import build
+    from actcfg.verify.measure import BUILD_SEED
+
+    torch.manual_seed(BUILD_SEED)
+    model, inputs = build(factory)
+    if any(t.device.type != "cuda" for t in [*model.parameters(), *model.buffers()]):
+        model.cuda()
+    inputs = _to_device(inputs, next(model.parameters()).device)
+    try:
+        planned = plan_model(model, policy, inputs, apply=apply, origin=args.config)
+    except PlanError as e:
+        return _refuse_verify(args, 1, str(e))
+    with apply(model, planned.policy):
+        step_ms, peak = measure_steps(model, inputs, steps=args.steps)
+    report, budget = planned.report, planned.plan.budget
+    ok = peak <= budget
+    if args.output:
+        _out(report.policy_yaml, args.output)
+    if args.format == "json":
+        import json
+
+        body = {
+            "ok": ok, "config": args.config, "memory_budget": budget, "written": args.output,
+            "choices": [{"module": m, "choice": c} for m, c in report.choices],
+            "max_inflight": report.max_inflight, "kept_at_turn": report.kept_at_turn,
+            "predicted": {"step_time_ms": report.predicted_step_time_ms, "peak": report.predicted_peak},
+            "measured": {"step_time_ms": step_ms, "peak": peak, "steps": args.steps},
+            "plain": {"step_time_ms": report.plain_step_time_ms, "peak": report.plain_peak},
+            "plan": report.policy_yaml, "profile": planned.profile.to_json(),
+        }
+        _out(json.dumps(body, indent=2) + "\n")
+    else:
+        _out(_render_plan(args, planned, step_ms, peak, ok))
+    return 0 if ok else 1
+
+
+def _render_plan(args: argparse.Namespace, planned: Any, step_ms: float, peak: int, ok: bool) -> str:
+    report, budget = planned.report, planned.plan.budget
+
+    def gib(n: float) -> str:
+        return f"{n / 2**30:.2f} GiB"
+
+    def off(measured: float, predicted: float) -> str:
+        return f"{(predicted - measured) / measured:+.1%}" if measured else "n/a"
+
+    width = max(len(m) for m, _ in report.choices)
+    lines = [f"actcfg plan: {len(report.choices)} modules, memory_budget {gib(budget)}, "
+             f"profiled on {report.device}", ""]
+    lines += [f"{m.ljust(width)}  {c}" for m, c in report.choices]
+    lines += [
+        "",
+        f"step time  predicted {report.predicted_step_time_ms:.1f} ms, measured {step_ms:.1f} ms "
+        f"(median of {args.steps}; prediction {off(step_ms, report.predicted_step_time_ms)})",
+        f"peak       predicted {gib(report.predicted_peak)}, measured {gib(peak)} "
+        f"(prediction {off(peak, report.predicted_peak)})",
+        f"plain      {report.plain_step_time_ms:.1f} ms, {gib(report.plain_peak)}",
+        f"offload    max_inflight {report.max_inflight}; {report.kept_at_turn} modules after the "
+        "last offloaded one stay on the GPU at the turn",
+        "",
+        (f"PASS  memory_budget  the measured peak {gib(peak)} is within {gib(budget)}" if ok else
+         f"FAIL  memory_budget  the measured peak {gib(peak)} is above {gib(budget)}: the "
+         "profile did not predict this step; lower memory_budget, or profile with the batch you "
+         "train with"),
+    ]
+    text = "\n".join(lines) + "\n"
+    if args.output:
+        return text + f"wrote {args.output}\n"
+    return text + "\n" + report.policy_yaml
+
+
+def _add_plan(sub: Any) -> None:
+    p = sub.add_parser("plan", help="profile a training step on the GPU and write the fastest "
+                                    "per-module policy whose peak fits memory_budget")
+    p.add_argument("config", metavar="CONFIG",
+                   help="policy YAML with `checkpoint: {mode: auto, modules: [...]}` and memory_budget")
+    p.add_argument("--model", metavar="PKG.MODULE:FACTORY", required=True,
+                   help="factory returning (model, example_inputs), as for actcfg verify")
+    p.add_argument("--budget", metavar="SIZE", help="overrides the file's memory_budget (16GiB, ...)")
+    p.add_argument("-o", "--output", metavar="OUT",
+                   help="write the plan (a `checkpoint.mode: rules` policy) here (never over CONFIG)")
+    p.add_argument("--steps", type=int, default=3,
+                   help="steps measured under the plan after one warm-up (default 3)")
+    p.add_argument("--format", choices=["json", "text"], default="text", help="output format")
+    p.set_defaults(run=_plan)
+
+
 # --- wiring --------------------------------------------------------------------------------
 
 COMMANDS: dict[str, Callable[[Any], None]] = {
@@ -575,6 +718,7 @@ COMMANDS: dict[str, Callable[[Any], None]] = {
     "translate": _add_translate,
     "import": _add_import,
     "verify": _add_verify,
+    "plan": _add_plan,
 }
 """Each subcommand's parser builder; a builder sets `run` (args -> exit code) as default."""
 

@@ -183,12 +183,17 @@ class PlanReport:
             counts[choice] = counts.get(choice, 0) + 1
         mix = ", ".join(f"{n} {c}" for c, n in counts.items())
         return (f"actcfg: planned {len(self.choices)} modules within memory_budget "
-                f"{self.memory_budget / 2**30:.2f} GiB: {mix}; predicted {self.predicted_step_time_ms:.1f} ms, "
-                f"peak {self.predicted_peak / 2**30:.2f} GiB (plain {self.plain_step_time_ms:.1f} ms, "
-                f"{self.plain_peak / 2**30:.2f} GiB; profiled on {self.device})")
+                f"{_size(self.memory_budget)}: {mix}; predicted {self.predicted_step_time_ms:.1f} ms, "
+                f"peak {_size(self.predicted_peak)} (plain {self.plain_step_time_ms:.1f} ms, "
+                f"{_size(self.plain_peak)}; profiled on {self.device})")
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able form."""
         out = asdict(self)
         out["choices"] = [{"module": m, "choice": c} for m, c in self.choices]
         return out
+
+
+def _size(n: int) -> str:
+    """GiB from one GiB up, MiB below: the unit GPU memory is read in."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

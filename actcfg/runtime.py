@@ -286,7 +286,8 @@ def apply(model: nn.Module, cfg: Any, *, backend: Backend | str | None = None,
                                    "(remove mpu=)")
         from actcfg.plan import plan_model
 
-        applied, plan = plan_model(model, policy, inputs, loss_fn=loss_fn, apply=apply)
+        planned = plan_model(model, policy, inputs, loss_fn=loss_fn, apply=apply)
+        applied, plan = planned.policy, planned.report
         log.info(plan.summary())
     elif inputs is not None or loss_fn is not None:
         raise PolicyApplyError(

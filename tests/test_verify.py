@@ -546,6 +546,18 @@ def test_blocks_are_checkpointed_modules_else_offload_groups_else_top_level_chil
     assert _blocks(_handle(torch, model), model) == ("0", "1")
 
 
+def test_blocks_of_a_rules_policy_are_every_module_a_rule_took():
+    torch = pytest.importorskip("torch")
+    from actcfg.runtime import apply
+    from actcfg.verify.measure import _blocks
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 2))
+    with apply(model, {"version": 1, "checkpoint": {"mode": "rules", "rules": [
+            {"modules": ["2"], "mode": "full"}, {"modules": ["0"], "mode": "none"}]}}) as handle:
+        assert handle.checkpointed == ("2",)
+        assert _blocks(handle, model) == ("0", "2")
+
+
 def test_host_bytes_are_the_engines_account_read_from_handle_engine():
     torch = pytest.importorskip("torch")
     from types import SimpleNamespace
@@ -886,3 +898,56 @@ def test_cli_without_a_gpu_exits_2_with_the_reason():
     assert done.stderr == ("actcfg: error: actcfg verify measures GPU memory and needs a CUDA "
                            "GPU, but torch.cuda.is_available() is False here: run it on a GPU "
                            "machine\n")
+
+
+# --- rules and a plan's prediction --------------------------------------------------------------
+
+
+def _rules(predicted=None, offload=True) -> Policy:
+    section = {"mode": "rules", "rules": [
+        {"modules": ["0", "1"], "mode": "none", "cpu_checkpointing": offload},
+        {"modules": ["Linear"], "mode": "full"}]}
+    if predicted is not None:
+        section["predicted"] = predicted
+    return policy(checkpoint=section)
+
+
+def test_rules_promise_the_peak_their_offload_and_recompute():
+    m = measured(recomputes=8, offloaded_bytes=2 * B)
+    assert [v.promise for v in judge(_rules(), m)] == ["peak", "offload", "recompute", "gradients"]
+    assert [v.promise for v in judge(_rules(offload=False), m)] == ["peak", "recompute", "gradients"]
+    assert verdict("offload", _rules(), m).message == (
+        "the rules that offload moved 0.52 GB to the host in the last step")
+    nothing = verdict("offload", _rules(), measured(recomputes=8, offloaded_bytes=0))
+    assert not nothing.ok and nothing.message.endswith("copied 0 bytes to the host in the last step: "
+                                                       "the offload did not take effect")
+
+
+@pytest.mark.parametrize(("step_ms", "peak", "fails"), [
+    (200.0, 3 * B, False),  # exactly as measured (200 ms, 3 block inputs)
+    (219.0, int(2.75 * B), False),  # +9.5% and -8.3%: reported, not judged
+    (230.0, 3 * B, True),  # +15% step time
+    (200.0, int(3.5 * B), True),  # +17% peak
+])
+def test_a_prediction_is_reported_and_fails_only_more_than_ten_percent_off(step_ms, peak, fails):
+    pol = _rules({"step_time_ms": step_ms, "peak": peak})
+    m = measured(recomputes=8, offloaded_bytes=2 * B)
+    verdicts = judge(pol, m)
+    assert ("prediction" in [v.promise for v in verdicts]) is fails
+    text = render_text(VerifyReport(pol, "torch", m, tuple(verdicts)))
+    step_err = f"{(step_ms - 200) / 200:+.0%}"
+    assert f"predicted        step {step_ms:.1f} ms ({step_err} of measured), peak " in text
+    data = json.loads(render_json(VerifyReport(pol, "torch", m, tuple(verdicts))))
+    assert data["predicted"]["step_time_ms"] == step_ms and data["predicted"]["peak_bytes"] == peak
+    assert data["predicted"]["step_time_error"] == pytest.approx((step_ms - 200) / 200)
+    assert data["predicted"]["measured_peak_bytes"] == 3 * B
+    if fails:
+        (v,) = [v for v in verdicts if v.promise == "prediction"]
+        assert not v.ok and v.message.startswith(f"the plan predicted {step_ms:.1f} ms and a peak of ")
+        assert v.message.endswith("more than 10% off; plan again on this machine (`actcfg plan`)")
+
+
+def test_no_prediction_no_line():
+    m = measured(recomputes=8, offloaded_bytes=2 * B)
+    assert "predicted" not in render_text(VerifyReport(_rules(), "torch", m, tuple(judge(_rules(), m))))
+    assert "predicted" not in json.loads(render_json(VerifyReport(_rules(), "torch", m, ())))

@@ -9,6 +9,7 @@ dynamic program over the profile, `write` turns the choice into an explicit
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from actcfg.plan.model import CHOICES, OFFLOADS, BlockProfile, Option, Profile
@@ -25,6 +26,7 @@ __all__ = [
     "BlockProfile",
     "Option",
     "Plan",
+    "Planned",
     "Profile",
     "plan_model",
     "policy_text",
@@ -34,11 +36,23 @@ __all__ = [
 ]
 
 
-def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None,
-               apply: Any) -> tuple[Policy, PlanReport]:
+@dataclass(frozen=True)
+class Planned:
+    """What `plan_model` produced: the rules policy to apply, the report of what was planned,
+    and the profile and plan it came from."""
+
+    policy: Policy
+    report: PlanReport
+    profile: Profile
+    plan: Plan
+
+
+def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, apply: Any,
+               origin: str = "") -> Planned:
     """Profile `model` on `inputs`, solve for `policy.memory_budget`, and return the plan as a
     `checkpoint.mode: rules` policy with the report of what was planned. `apply` is
-    `actcfg.runtime.apply` (passed in: the runtime sits above this package)."""
+    `actcfg.runtime.apply` (passed in: the runtime sits above this package); `origin` names the
+    policy file in the written plan's header. PlanError when no plan fits."""
     from actcfg.checker import load
     from actcfg.plan.profile import profile as run_profile
     from actcfg.reports import PlanReport
@@ -46,8 +60,7 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None,
     profiled = run_profile(model, policy.checkpoint.modules, inputs, loss_fn=loss_fn, apply=apply,
                            pin=policy.pin, pin_budget=policy.pin_budget)
     plan = solve(profiled, policy.memory_budget)
-    text = policy_text(plan, profiled, policy)
-    rules = load(text)
+    text = policy_text(plan, profiled, policy, origin=origin)
     report = PlanReport(
         memory_budget=plan.budget,
         choices=tuple(zip(plan.blocks, plan.choices)),
@@ -60,4 +73,4 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None,
         policy_yaml=text,
         device=profiled.device,
     )
-    return rules, report
+    return Planned(load(text), report, profiled, plan)

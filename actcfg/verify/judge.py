@@ -18,7 +18,8 @@ from actcfg.verify.report import (
     worst_grad,
 )
 
-__all__ = ["FLAT_FRACTION", "MIN_BLOCKS", "PARTITION_SLACK", "judge", "judge_ranks"]
+__all__ = ["FLAT_FRACTION", "MIN_BLOCKS", "PARTITION_SLACK", "PREDICTION_SLACK", "judge", "judge_ranks",
+           "prediction_errors"]
 
 FLAT_FRACTION = 0.05
 """cpu_checkpointing: memory stops growing when it grows by less than this share of one block
@@ -30,6 +31,10 @@ PARTITION_SLACK = 1.25
 
 MIN_BLOCKS = 4
 """Fewest measured blocks for a growth rate over the second half of the stack."""
+
+PREDICTION_SLACK = 0.10
+"""A plan's prediction (`checkpoint.predicted`) is reported beside the measurement; it becomes a
+failed verdict only when the step time or the peak is off by more than this share."""
 
 def _judge_offload(m: Measurements) -> Verdict:
     n = len(m.blocks)
@@ -134,13 +139,59 @@ def _judge_recompute(m: Measurements) -> Verdict:
                    "nothing was recomputed, so nothing was freed")
 
 
+def _checkpoints(policy: Policy) -> bool:
+    ckpt = policy.checkpoint
+    return ckpt.mode in ("full", "selective") or (
+        ckpt.mode == "rules" and any(r.mode != "none" for r in ckpt.rules))
+
+
+def _rules_offload(policy: Policy) -> bool:
+    ckpt = policy.checkpoint
+    return ckpt.mode == "rules" and any(r.cpu_checkpointing for r in ckpt.rules)
+
+
+def prediction_errors(policy: Policy, m: Measurements) -> tuple[float, float] | None:
+    """(step time, peak) relative errors of the plan's prediction, (predicted - measured) /
+    measured; None when the policy carries no prediction."""
+    predicted = getattr(policy.checkpoint, "predicted", None)
+    if predicted is None or m.policy.step_time_s <= 0 or m.policy.peak <= 0:
+        return None
+    measured_ms = m.policy.step_time_s * 1000
+    return ((predicted.step_time_ms - measured_ms) / measured_ms,
+            (predicted.peak - m.policy.peak) / m.policy.peak)
+
+
+def _judge_prediction(policy: Policy, m: Measurements) -> Verdict | None:
+    errors = prediction_errors(policy, m)
+    if errors is None or max(abs(e) for e in errors) <= PREDICTION_SLACK:
+        return None
+    predicted = policy.checkpoint.predicted
+    return Verdict("prediction", False,
+                   f"the plan predicted {predicted.step_time_ms:.1f} ms and a peak of "
+                   f"{human_bytes(predicted.peak)}, and this run measured "
+                   f"{m.policy.step_time_s * 1000:.1f} ms ({errors[0]:+.0%}) and "
+                   f"{human_bytes(m.policy.peak)} ({errors[1]:+.0%}): more than "
+                   f"{PREDICTION_SLACK:.0%} off; plan again on this machine (`actcfg plan`)")
+
+
+def _judge_rules_offload(m: Measurements) -> Verdict:
+    if m.offloaded_bytes:
+        return Verdict("offload", True, f"the rules that offload moved {human_bytes(m.offloaded_bytes)} "
+                                        "to the host in the last step")
+    return Verdict("offload", False, "a rule sets cpu_checkpointing, but actcfg's offload engine "
+                                     "copied 0 bytes to the host in the last step: the offload "
+                                     "did not take effect")
+
+
 def judge(policy: Policy, measurements: Measurements) -> list[Verdict]:
     """One verdict per promise the policy makes, from plain numbers (imports no torch).
 
     cpu_checkpointing: GPU memory stops growing per block; checkpointing or cpu_checkpointing:
     the peak is below the plain run's; partition: held checkpoint memory is about 1/n of one
-    block input per block; checkpointing by actcfg, where the runtime counted it: modules ran
-    again in backward; always: gradients equal the plain run's within the dtype tolerance.
+    block input per block; a rule that offloads: bytes went to the host; checkpointing by
+    actcfg, where the runtime counted it: modules ran again in backward; always: gradients
+    equal the plain run's within the dtype tolerance; a plan's prediction (rules with
+    `predicted`): only when it is more than 10% off.
     """
     m = measurements
     if not (len(m.blocks) == len(m.plain.held) == len(m.policy.held)):
@@ -157,9 +208,14 @@ def judge(policy: Policy, measurements: Measurements) -> list[Verdict]:
         out.append(_judge_peak(policy, m))
     if policy.partition:
         out.append(_judge_partition(m))
-    if m.recomputes is not None and policy.checkpoint.mode in ("full", "selective"):
+    if _rules_offload(policy):
+        out.append(_judge_rules_offload(m))
+    if m.recomputes is not None and _checkpoints(policy):
         out.append(_judge_recompute(m))
     out.append(_judge_gradients(m))
+    prediction = _judge_prediction(policy, m)
+    if prediction is not None:
+        out.append(prediction)
     return out
 
 

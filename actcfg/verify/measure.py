@@ -246,8 +246,10 @@ def _pinned_pool_bytes() -> int | None:
 
 
 def _blocks(handle: Any, model: nn.Module) -> tuple[str, ...]:
-    """What memory is measured after: the checkpointed modules, else the offload groups,
-    else the model's top-level children."""
+    """What memory is measured after: the modules the rules take, else the checkpointed
+    modules, else the offload groups, else the model's top-level children."""
+    if getattr(handle, "rules", None):
+        return tuple(handle.ruled)
     if handle.checkpointed:
         return tuple(handle.checkpointed)
     if handle.offload is not None and handle.offload.groups:

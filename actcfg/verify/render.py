@@ -78,12 +78,26 @@ def render_text(report: VerifyReport) -> str:
                  + ("" if math.isnan(change) else f" ({change:+.0%})")),
         ("step time", f"plain {_ms(m.plain.step_time_s)}, policy {_ms(m.policy.step_time_s)}"
                       f" (median of {m.steps})"),
+        *_predicted_row(report),
         ("host memory", f"pinned {pinned}, pageable {pageable}"),
         ("gradient error", grad),
     ], numbers=False)
     lines.append("")
     lines += _verdict_lines(report)
     return "\n".join(lines) + "\n"
+
+
+def _predicted_row(report: VerifyReport) -> list[tuple[str, str]]:
+    """The plan's prediction beside the measurement, for a rules policy `actcfg plan` wrote."""
+    predicted = getattr(report.policy.checkpoint, "predicted", None)
+    if predicted is None:
+        return []
+    m = report.measurements
+    ms = m.policy.step_time_s * 1000
+    step = f"{(predicted.step_time_ms - ms) / ms:+.0%}" if ms else "n/a"
+    peak = f"{(predicted.peak - m.policy.peak) / m.policy.peak:+.0%}" if m.policy.peak else "n/a"
+    return [("predicted", f"step {predicted.step_time_ms:.1f} ms ({step} of measured), peak "
+                          f"{_mib(predicted.peak)} MiB ({peak} of measured)")]
 
 
 def _verdict_lines(report: VerifyReport) -> list[str]:

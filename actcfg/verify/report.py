@@ -140,6 +140,17 @@ class VerifyReport:
             **_numbers(m),
             "verdicts": [asdict(v) for v in self.verdicts],
         }
+        predicted = getattr(self.policy.checkpoint, "predicted", None)
+        if predicted is not None:
+            measured_ms = m.policy.step_time_s * 1000
+            out["predicted"] = {
+                "step_time_ms": predicted.step_time_ms, "peak_bytes": predicted.peak,
+                "measured_step_time_ms": measured_ms, "measured_peak_bytes": m.policy.peak,
+                "step_time_error": _finite((predicted.step_time_ms - measured_ms) / measured_ms
+                                           if measured_ms else math.nan),
+                "peak_error": _finite((predicted.peak - m.policy.peak) / m.policy.peak
+                                      if m.policy.peak else math.nan),
+            }
         if self.ranks:
             out["world_size"] = self.world_size
             out["ranks"] = [{"rank": rank, **_numbers(r)} for rank, r in enumerate(self.ranks)]
