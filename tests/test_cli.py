@@ -492,6 +492,68 @@ def test_verify_format_json_without_a_gpu_is_json(run_cli):
     assert body["status"] == "usage-error" and "needs a CUDA GPU" in body["message"]
 
 
+# --- plan --------------------------------------------------------------------------------
+
+BUDGET = ROOT / "configs" / "torch-memory-budget.yaml"
+
+
+def test_plan_without_a_gpu_is_a_usage_error_in_one_sentence(run_cli):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    result = run_cli("plan", BUDGET, "--model", "actcfg.probes:blocks")
+    assert (result.code, result.out) == (2, "")
+    assert result.err == (
+        "actcfg: error: actcfg plan profiles a training step on the GPU and needs a CUDA GPU, but "
+        "torch.cuda.is_available() is False here: run it on a GPU machine\n")
+    result = run_cli("plan", BUDGET, "--model", "actcfg.probes:blocks", "--format", "json")
+    assert (result.code, result.err) == (2, "")
+    body = json.loads(result.out)
+    assert body["ok"] is False and body["status"] == "usage-error"
+    assert body["message"].startswith("actcfg plan profiles a training step on the GPU")
+
+
+@pytest.mark.parametrize(("argv", "code", "err"), [
+    (["configs/torch-rules.yaml"], 2,
+     "actcfg: error: actcfg plan plans for a policy that asks for one (`checkpoint: {mode: auto, "
+     "modules: [...]}` with `memory_budget`), and configs/torch-rules.yaml has checkpoint.mode "
+     "rules; write mode auto with the modules to plan over\n"),
+    (["configs/torch-memory-budget.yaml", "--budget", "lots"], 2,
+     "actcfg: error: --budget 'lots': 'lots' is not a size: write a number and one of B, KB, MB, GB, "
+     "TB, KiB, MiB, GiB, TiB, such as 16GiB\n"),
+    (["configs/torch-memory-budget.yaml", "--steps", "0"], 2,
+     "actcfg: error: --steps must be at least 1, got 0\n"),
+    (["configs/torch-memory-budget.yaml", "-o", "configs/torch-memory-budget.yaml"], 2,
+     "actcfg: error: -o configs/torch-memory-budget.yaml is the input file configs/torch-memory-budget.yaml: "
+     "actcfg does not write over its input; write to another file, check it, then move it\n"),
+    (["configs/torch-memory-budget.yaml", "--model", "actcfg.probes"], 2,
+     "actcfg: error: --model 'actcfg.probes': write it as pkg.module:factory (for example "
+     "actcfg.probes:linear_chain)\n"),
+])
+def test_plan_usage_errors_exit_2_before_any_gpu_work(run_cli, monkeypatch, argv, code, err):
+    monkeypatch.chdir(ROOT)
+    model = [] if "--model" in argv else ["--model", "actcfg.probes:blocks"]
+    result = run_cli("plan", *argv, *model)
+    assert (result.code, result.out, result.err) == (code, "", err)
+
+
+def test_plan_of_an_invalid_config_is_1_with_its_diagnostics(run_cli, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 1\ncheckpoint: {mode: auto, modules: [Block]}\n")
+    result = run_cli("plan", bad, "--model", "actcfg.probes:blocks")
+    assert result.code == 1
+    assert result.err == (
+        f"{bad}:2:20: error budget-needed: checkpoint.mode `auto` asks for the fastest plan within "
+        "`memory_budget`, which is not set (add `memory_budget: <size>` (the most GPU memory one "
+        "training step may allocate, such as 40GiB), or choose the mode yourself: none, full, "
+        "selective or rules)\n")
+
+
+def test_plan_needs_a_model(run_cli):
+    result = run_cli("plan", BUDGET)
+    assert result.code == 2 and "the following arguments are required: --model" in result.err
+
+
 # --- real processes ------------------------------------------------------------------------
 
 

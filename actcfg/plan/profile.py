@@ -346,16 +346,16 @@ class _OpOutputs(TorchDispatchMode):
 def saved_bytes(model: nn.Module, modules: Sequence[nn.Module], args: tuple[Any, ...],
                 kwargs: dict[str, Any], save_ops: Sequence[Any] = ()) -> list[int]:
     """Bytes of the storages autograd saves inside each module's forward (its first call; each
-    storage counted once, parameters and leaves that require grad left out), plus, with
-    `save_ops`, the outputs of those ops there (what selective checkpointing keeps; up to torch
-    2.13 they bypass saved-tensor hooks). One forward, whose graph is dropped."""
+    storage counted once, parameters and leaves that require grad left out); with `save_ops`,
+    the bytes of those ops' outputs there instead (what selective checkpointing keeps besides
+    the inputs: up to torch 2.13 they bypass saved-tensor hooks). One forward, graph dropped."""
     where = _Attribution(modules)
     out = [0] * len(modules)
     seen: set[int] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         i = where.current
-        if i is not None and _counted(t):
+        if i is not None and not save_ops and _counted(t):
             storage = t.untyped_storage()
             if storage.nbytes() and storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())
@@ -516,11 +516,9 @@ def profile(
                         held[choice] = saved_bytes(model, blocks, args, kwargs)
                     finally:
                         handle.remove()
-            if "selective" in wanted:
-                ops = resolve_ops(DEFAULT_SAVE_OPS)
-                plain_with_ops = saved_bytes(model, blocks, args, kwargs, save_ops=ops)
-                held["selective"] = [s + (p - k) for s, p, k in
-                                     zip(held["selective"], plain_with_ops, held["keep"])]
+            if "selective" in wanted:  # its inputs (counted above) and its saved ops' outputs
+                outputs = saved_bytes(model, blocks, args, kwargs, save_ops=resolve_ops(DEFAULT_SAVE_OPS))
+                held["selective"] = [s + o for s, o in zip(held["selective"], outputs)]
             for choice in wanted:
                 try:
                     runs[choice] = _run(model, blocks, names, choice, args, kwargs, loss, apply,

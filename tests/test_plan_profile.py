@@ -1,0 +1,194 @@
+"""actcfg.plan on the CPU: the profile's byte accounting (saved-tensor hooks, op outputs, the
+loopback engine's per-group bytes) and structure, everything put back after, apply(auto) from
+profile to applied rules, and the refusals. Timings are measured but never asserted; the GPU
+measurement itself runs in benchmarks/plan_bench.py and tests/test_plan_cuda.py."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from actcfg.errors import PlanError, PolicyApplyError
+from actcfg.plan import CHOICES, predict, solve
+from actcfg.plan.profile import measure_steps, profile, saved_bytes
+from actcfg.runtime import apply
+
+
+class Layer(nn.Module):
+    """Linear then GELU: saves its input (Linear) and the Linear's output (GELU's input)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.gelu(self.lin(x))
+
+
+class Chain(nn.Module):
+    def __init__(self, n: int, width: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer(width) for _ in range(n))
+        self.head = nn.Linear(width, width)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1  # a buffer the profiling runs change, and must put back
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+ROWS, WIDTH = 1024, 512  # one activation: 2 MiB, above the engine's 1 MiB min_offload_bytes
+ONE = ROWS * WIDTH * 4
+
+
+def chain(n: int = 4) -> tuple[Chain, torch.Tensor]:
+    torch.manual_seed(0)
+    return Chain(n, WIDTH), torch.randn(ROWS, WIDTH)
+
+
+@pytest.fixture
+def loopback():
+    from actcfg.offload import host_loopback
+
+    with host_loopback():
+        yield
+
+
+def test_saved_bytes_counts_each_layers_storages_once():
+    model, x = chain()
+    layers = list(model.layers)
+    assert saved_bytes(model, layers, (x,), {}) == [2 * ONE] * 4  # its input, the Linear's output
+    with apply(model, {"version": 1, "checkpoint": {"mode": "rules", "rules": [{"modules": ["Layer"]}]}}):
+        assert saved_bytes(model, layers, (x,), {}) == [ONE] * 4  # full: its input only
+    ops = [torch.ops.aten.addmm.default, torch.ops.aten.mm.default]
+    assert saved_bytes(model, layers, (x,), {}, save_ops=ops) == [ONE] * 4  # the Linear's output
+
+
+def test_the_profile_has_every_choice_with_counted_bytes_and_puts_the_model_back(loopback):
+    model, x = chain()
+    model.layers[0].lin.weight.grad = grad = torch.ones(WIDTH, WIDTH)
+    model.eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    prof = profile(model, ("Layer",), x, apply=apply)
+    assert [b.name for b in prof.blocks] == [f"layers.{i}" for i in range(4)]
+    assert prof.choices() == CHOICES and prof.device == "cpu"
+    for b in prof.blocks:
+        o = b.options
+        assert [(c, o[c].held, o[c].moved) for c in CHOICES] == [
+            ("keep", 2 * ONE, 0), ("selective", 2 * ONE, 0), ("full", ONE, 0),
+            ("full_offload", 0, ONE), ("offload", 0, 2 * ONE)]
+        assert b.forward_ms > 0 and b.backward_ms > 0
+        assert all(o[c].extra_ms > 0 for c in CHOICES if c != "keep") and o["keep"].extra_ms == 0
+        assert o["offload"].extra_ms > o["keep"].extra_ms  # never cheaper than its twin
+        assert o["full_offload"].extra_ms > o["full"].extra_ms
+    assert set(prof.measured) == set(CHOICES)
+    assert prof.plain_peak == predict(prof, ("keep",) * 4)[1]
+    assert prof.notes == ("memory on the CPU is counted from saved tensors, not measured: peaks are estimates",)
+    # put back: no policy left, gradients, buffers and training mode as they were
+    assert not any("_actcfg" in k for m in model.modules() for k in m.__dict__)
+    assert model.layers[0].lin.weight.grad is grad and model.layers[1].lin.weight.grad is None
+    assert not model.training and not any(m.training for m in model.modules())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_without_an_offload_device_offload_is_no_choice():
+    model, x = chain(2)
+    prof = profile(model, ("Layer",), x, apply=apply)
+    assert prof.choices() == ("keep", "selective", "full")
+
+
+def test_a_candidate_the_forward_never_calls_is_refused():
+    model, x = chain(2)
+    model.spare = Layer(WIDTH)
+    with pytest.raises(PlanError, match=r"^candidate module 2 \(in forward order\) was not called in a "
+                                        r"training step, or its output needed no gradient"):
+        profile(model, ("Layer",), x, apply=apply)
+    assert not any("_actcfg" in k for m in model.modules() for k in m.__dict__)
+
+
+def test_apply_auto_profiles_plans_logs_one_line_and_applies_the_rules(loopback, caplog):
+    model, x = chain()
+    plain = copy.deepcopy(model)
+    prof = profile(copy.deepcopy(model), ("Layer",), x, apply=apply)
+    keep_all = predict(prof, ("keep",) * 4)[1]
+    cfg = {"version": 1, "checkpoint": {"mode": "auto", "modules": ["Layer"]},
+           "memory_budget": (keep_all * 2) // 3}
+    with caplog.at_level(logging.INFO, logger="actcfg"):
+        handle = apply(model, cfg, inputs=x)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and lines[0].startswith("actcfg: planned 4 modules within memory_budget ")
+    assert lines[1] == handle.summary()
+    plan = handle.plan
+    assert [m for m, _ in plan.choices] == [f"layers.{i}" for i in range(4)]
+    assert plan.predicted_peak <= cfg["memory_budget"] and plan.device == "cpu"
+    assert any(c != "keep" for _, c in plan.choices)
+    assert handle.policy.checkpoint.mode == "auto"  # what the user gave; the plan is in handle.plan
+    applied = {r.modules[0] if len(r.modules) == 1 else r.modules: r for r in handle.rules}
+    assert sorted(n for r in handle.rules for n in r.modules) == [f"layers.{i}" for i in range(4)]
+    from actcfg.plan.model import RULE_OF
+
+    by_module = {n: r for r in handle.rules for n in r.modules}
+    for module, choice in plan.choices:
+        rule = by_module[module]
+        assert {"mode": rule.checkpoint, **({"cpu_checkpointing": True} if rule.offload else {})} == RULE_OF[choice]
+    assert applied
+    assert handle.report()["plan"]["policy_yaml"] == plan.policy_yaml
+    for m in (model, plain):
+        m.zero_grad()
+        m(x).square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    handle.remove()
+    assert not any("_actcfg" in k for m in model.modules() for k in m.__dict__)
+
+
+def test_the_plan_apply_writes_is_a_policy_validate_accepts(loopback, run_cli, tmp_path):
+    model, x = chain()
+    cfg = {"version": 1, "checkpoint": {"mode": "auto", "modules": ["Layer"]}, "memory_budget": "24MiB",
+           "pin_budget": "1GiB"}
+    with apply(model, cfg, inputs=x) as handle:
+        path = tmp_path / "plan.yaml"
+        path.write_text(handle.plan.policy_yaml)
+    result = run_cli("validate", path)
+    assert (result.code, result.out) == (0, "")
+    assert result.err == "actcfg: 1 file checked: 0 errors, 0 warnings\n"
+    with apply(model, path) as again:  # the written plan applies as it stands
+        assert again.plan is None and again.rules is not None
+
+
+def test_a_budget_nothing_reaches_is_refused_with_the_smallest_peak_and_nothing_applied():
+    model, x = chain(2)
+    cfg = {"version": 1, "checkpoint": {"mode": "auto", "modules": ["Layer"]}, "memory_budget": 1}
+    with pytest.raises(PlanError, match=r"^no plan fits memory_budget 0\.00 GiB: the smallest peak any "
+                                        r"choice of keep, selective, full per module reaches is") as info:
+        apply(model, cfg, inputs=x)
+    assert isinstance(info.value, PolicyApplyError) and info.value.smallest_peak > 1
+    assert not any("_actcfg" in k for m in model.modules() for k in m.__dict__)
+
+
+def test_a_roomy_budget_keeps_everything():
+    model, x = chain(2)
+    cfg = {"version": 1, "checkpoint": {"mode": "auto", "modules": ["Layer"]}, "memory_budget": "1TiB"}
+    with apply(model, cfg, inputs=x) as handle:
+        assert [c for _, c in handle.plan.choices] == ["keep", "keep"]
+        assert handle.checkpointed == () and handle.engine is None
+
+
+def test_solve_on_a_cpu_profile_is_monotone(loopback):
+    model, x = chain()
+    prof = profile(model, ("Layer",), x, apply=apply)
+    top = prof.plain_peak
+    times = [solve(prof, top * k // 8).step_ms for k in range(4, 9)]
+    assert times == sorted(times, reverse=True)
+
+
+def test_measure_steps_on_the_cpu_times_and_reports_no_memory():
+    model, x = chain(2)
+    ms, peak = measure_steps(model, x, steps=2)
+    assert ms > 0 and peak == 0
