@@ -159,7 +159,8 @@ def select_by_rules(model: nn.Module, rules: Sequence[tuple[str, ...]]) -> list[
             earlier = sorted({j for n, m, j in taken if any(_matches(p, n, m) for p in patterns)})
             raise PolicyApplyError(
                 f"checkpoint.rules.{i}: every module its patterns match was taken by an earlier "
-                f"rule ({', '.join(f'rule {j}' for j in earlier)}; the first match wins), so it "
+                f"rule ({', '.join(f'checkpoint.rules.{j}' for j in earlier)}; the first match "
+                f"wins), so it "
                 "applies to none; remove it, or narrow the earlier rule")
     pairs = [(n, m) for n, m, _ in taken]
     _refuse_nested(pairs, "checkpoint.rules",

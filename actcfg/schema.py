@@ -348,8 +348,8 @@ def _plan_rules(policy: Policy) -> list[Finding]:
             if rule.save_ops is not None and rule.mode != "selective":
                 out.append(Finding(
                     "save-ops-need-selective", "error", ("checkpoint", "rules", i, "save_ops"),
-                    f"`save_ops` names the ops a selective rule saves, but rule {i + 1} has "
-                    f"mode {rule.mode}",
+                    f"`save_ops` names the ops a selective rule saves, but checkpoint.rules.{i} "
+                    f"has mode {rule.mode}",
                     "set `mode: selective` in this rule, or remove `save_ops`",
                 ))
             if MODULES_PLACEHOLDER in rule.modules:

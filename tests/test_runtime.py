@@ -762,7 +762,7 @@ def test_rules_keep_last_keeps_the_newest_offloaded_modules_from_the_second_step
 def test_a_rule_that_applies_to_nothing_is_refused():
     model, _ = small_blocks(2)
     with pytest.raises(PolicyApplyError, match=r"^checkpoint\.rules\.1: every module its patterns match was "
-                       r"taken by an earlier rule \(rule 0; the first match wins\), so it applies to none; "
+                       r"taken by an earlier rule \(checkpoint\.rules\.0; the first match wins\), so it applies to none; "
                        r"remove it, or narrow the earlier rule$"):
         apply(model, rules_policy({"modules": ["Block"]}, {"modules": ["blocks.1"], "mode": "selective"}))
     with pytest.raises(PolicyApplyError, match=r"^checkpoint\.rules\.0\.modules: pattern 'Blok' matches no module"):

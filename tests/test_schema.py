@@ -255,3 +255,103 @@ def test_readme_key_table_documents_every_key():
     rows = re.findall(r"^\| `([a-z_.]+)` \|", (ROOT / "README.md").read_text(), re.M)
     expected = [*keys_at(()), *(f"checkpoint.{k}" for k in keys_at(("checkpoint",), "selective"))]
     assert sorted(rows) == sorted(expected)
+
+
+# --- rules, auto and memory_budget --------------------------------------------------------------
+
+AUTO = {"mode": "auto", "modules": ["Block"]}
+RULES = {"mode": "rules", "rules": [{"modules": ["blocks.0"], "mode": "none", "cpu_checkpointing": True},
+                                    {"modules": ["Block"]}]}
+
+
+def test_rules_defaults_and_every_file_that_validated_before_means_the_same():
+    policy = Policy.model_validate({"version": 1, "checkpoint": RULES})
+    ckpt = policy.checkpoint
+    assert [(r.mode, r.cpu_checkpointing, r.save_ops) for r in ckpt.rules] == [("none", True, None), ("full", False, None)]
+    assert (ckpt.keep_last, ckpt.max_inflight, ckpt.predicted, policy.memory_budget) == (1, 1, None, None)
+    old = Policy.model_validate({"version": 1, "checkpoint": FULL, "cpu_checkpointing": True})
+    assert old.memory_budget is None and old.checkpoint == FullCheckpoint(mode="full", modules=("Block",))
+
+
+def test_auto_needs_a_memory_budget():
+    [f] = _rule_error({"version": 1, "checkpoint": AUTO})
+    assert f == Finding(
+        "budget-needed", "error", ("checkpoint", "mode"),
+        "checkpoint.mode `auto` asks for the fastest plan within `memory_budget`, which is not set",
+        "add `memory_budget: <size>` (the most GPU memory one training step may allocate, such as "
+        "40GiB), or choose the mode yourself: none, full, selective or rules")
+    assert Policy.model_validate({"version": 1, "checkpoint": AUTO, "memory_budget": "6GiB"}).memory_budget == 6 * 2**30
+
+
+@pytest.mark.parametrize("checkpoint", [FULL, {"mode": "none"}, RULES, {"mode": "external"}])
+def test_memory_budget_beside_a_hand_set_mode_names_both_and_the_fix(checkpoint):
+    [f] = _rule_error({"version": 1, "checkpoint": checkpoint, "memory_budget": "6GiB"})
+    assert f == Finding(
+        "budget-without-plan", "error", ("memory_budget",),
+        f"`memory_budget` asks for a plan, but checkpoint.mode is {checkpoint['mode']}, set by hand: "
+        "the budget and the hand-set mode could disagree",
+        "remove `memory_budget`, or write `checkpoint: {mode: auto, modules: [...]}` to let actcfg "
+        "plan within it (`actcfg plan` writes the plan as `mode: rules`)")
+
+
+def test_top_level_cpu_checkpointing_is_refused_with_rules_and_auto():
+    [f] = _rule_error({"version": 1, "checkpoint": RULES, "cpu_checkpointing": True})
+    assert (f.code, f.path, f.hint) == (
+        "offload-per-rule", ("cpu_checkpointing",),
+        "remove it, and set `cpu_checkpointing: true` in the rules whose modules should offload")
+    [f] = _rule_error({"version": 1, "checkpoint": AUTO, "memory_budget": 1, "cpu_checkpointing": True})
+    assert (f.code, f.message, f.hint) == (
+        "offload-by-plan", "top-level `cpu_checkpointing` does not apply with checkpoint.mode auto: the "
+        "plan decides which modules offload", "remove `cpu_checkpointing`")
+
+
+def test_save_ops_belong_to_a_selective_rule_and_name_its_index():
+    rules = {"mode": "rules", "rules": [{"modules": ["B"], "mode": "selective", "save_ops": ["aten.mm"]},
+                                        {"modules": ["C"], "save_ops": ["aten.mm"]}]}
+    [f] = _rule_error({"version": 1, "checkpoint": rules})
+    assert (f.code, f.path, f.message) == (
+        "save-ops-need-selective", ("checkpoint", "rules", 1, "save_ops"),
+        "`save_ops` names the ops a selective rule saves, but checkpoint.rules.1 has mode full")
+
+
+def test_engine_knobs_without_an_offloading_rule_warn_and_pin_budget_counts_rule_offload():
+    data = {"version": 1, "checkpoint": {"mode": "rules", "rules": [{"modules": ["B"]}], "keep_last": 0,
+                                         "max_inflight": 1}, "pin_budget": "1GiB"}
+    assert [(f.code, f.path) for f in _finding(data)] == [
+        ("unused-setting", ("checkpoint", "keep_last")), ("unused-setting", ("pin_budget",))]
+    assert _finding({"version": 1, "checkpoint": {**RULES, "keep_last": 0}, "pin_budget": "1GiB"}) == []
+    assert _finding({"version": 1, "checkpoint": AUTO, "memory_budget": 1, "pin_budget": "1GiB"}) == []
+
+
+@pytest.mark.parametrize(("backend", "code"), [("deepspeed", "torch-only")])
+@pytest.mark.parametrize("checkpoint", [RULES, AUTO])
+def test_rules_and_auto_are_torch_only(backend, code, checkpoint):
+    extra = {"memory_budget": 1} if checkpoint is AUTO else {}
+    findings = _rule_error({"version": 1, "backend": backend, "checkpoint": checkpoint, **extra})
+    assert findings[0].code == code and findings[0].path == ("checkpoint", "mode")
+    assert findings[0].message.startswith(f"checkpoint.mode `{checkpoint['mode']}` is torch-only for now: ")
+    assert findings[0].hint == "set `backend: torch`"
+    if checkpoint is AUTO:
+        assert [(f.code, f.path) for f in findings[1:]] == [("torch-only", ("memory_budget",))]
+
+
+def test_rules_and_auto_are_refused_for_hf_and_lightning_translation():
+    from actcfg.errors import TranslationError
+    from actcfg.translate import translate
+
+    policy = Policy.model_validate({"version": 1, "checkpoint": RULES})
+    with pytest.raises(TranslationError, match=r"^checkpoint\.mode: the hf backend cannot express this: "
+                       r"checkpoint\.mode `rules` is torch-only for now: .*\(got 'rules'\); run the policy "
+                       r"with actcfg\.integrations\.hf\.ActivationPolicyCallback, which applies it with torch$"):
+        translate(policy, "hf")
+    with pytest.raises(TranslationError, match=r"^checkpoint\.mode: the lightning backend cannot express "
+                                               r"this: checkpoint\.mode `rules` is torch-only"):
+        translate(policy, "lightning")
+
+
+def test_a_prediction_is_a_positive_time_and_a_size():
+    data = {"version": 1, "checkpoint": {**RULES, "predicted": {"step_time_ms": 0, "peak": "1GiB"}}}
+    [e] = _errors(data)
+    assert (e["type"], e["loc"]) == ("greater_than", ("checkpoint", "rules", "predicted", "step_time_ms"))
+    data["checkpoint"]["predicted"] = {"step_time_ms": 12, "peak": "5.5GiB"}
+    assert Policy.model_validate(data).checkpoint.predicted.peak == int(5.5 * 2**30)
