@@ -391,13 +391,13 @@ def _add_import(sub: Any) -> None:
 
 
 def _refuse_verify(args: argparse.Namespace, code: int, message: str | None,
-                   diagnostics: Sequence[Diagnostic] = ()) -> int:
-    """Report why verify measured nothing, in the format asked for; return `code`."""
+                   diagnostics: Sequence[Diagnostic] = (), status: str | None = None) -> int:
+    """Report why verify (or plan) measured nothing, in the format asked for; return `code`."""
     if args.format == "json":
         import json
         from dataclasses import asdict
 
-        status = {1: "invalid", 2: "unreadable" if diagnostics else "usage-error"}[code]
+        status = status or {1: "invalid", 2: "unreadable" if diagnostics else "usage-error"}[code]
         body = {"ok": False, "status": status, "message": message,
                 "errors": [asdict(d) for d in diagnostics]}
         _out(json.dumps(body, indent=2) + "\n")
@@ -635,7 +635,7 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         planned = plan_model(model, policy, inputs, apply=apply, origin=args.config)
     except PlanError as e:
-        return _refuse_verify(args, 1, str(e))
+        return _refuse_verify(args, 1, str(e), status="no-plan-fits")
     with apply(model, planned.policy):
         step_ms, peak = measure_steps(model, inputs, steps=args.steps)
     report, budget = planned.report, planned.plan.budget
@@ -664,7 +664,7 @@ def _render_plan(args: argparse.Namespace, planned: Any, step_ms: float, peak: i
     report, budget = planned.report, planned.plan.budget
 
     def gib(n: float) -> str:
-        return f"{n / 2**30:.2f} GiB"
+        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
     def off(measured: float, predicted: float) -> str:
         return f"{(predicted - measured) / measured:+.1%}" if measured else "n/a"
@@ -680,8 +680,9 @@ def _render_plan(args: argparse.Namespace, planned: Any, step_ms: float, peak: i
         f"peak       predicted {gib(report.predicted_peak)}, measured {gib(peak)} "
         f"(prediction {off(peak, report.predicted_peak)})",
         f"plain      {report.plain_step_time_ms:.1f} ms, {gib(report.plain_peak)}",
-        f"offload    max_inflight {report.max_inflight}; {report.kept_at_turn} modules after the "
-        "last offloaded one stay on the GPU at the turn",
+        ("offload    none" if not any(c in ("offload", "full_offload") for _, c in report.choices) else
+         f"offload    max_inflight {report.max_inflight}; {report.kept_at_turn} modules after the "
+         "last offloaded one stay on the GPU at the turn"),
         "",
         (f"PASS  memory_budget  the measured peak {gib(peak)} is within {gib(budget)}" if ok else
          f"FAIL  memory_budget  the measured peak {gib(peak)} is above {gib(budget)}: the "

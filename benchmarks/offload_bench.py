@@ -226,10 +226,11 @@ def variants(workload: str, have_ds: bool, have_tt: bool, half_budget: int):
         yield "deepspeed checkpoint", ["checkpoint"], lambda m: (ds_configure(False), ds_route(m)), ctx0, None
         yield "deepspeed checkpoint + cpu", ["checkpoint", "offload"], lambda m: (ds_configure(True), ds_route(m)), ctx0, None
     if have_tt:
-        from torchtune.training import OffloadActivations
-
-        yield "torchtune offload", ["offload"], lambda m: None, lambda m: OffloadActivations(), None
-        yield "torchtune checkpoint + offload", ["checkpoint", "offload"], torch_checkpoint, lambda m: OffloadActivations(), None
+        # As torchtune's recipes run it: one OffloadActivations built at setup and entered every
+        # step (recipes keep `self.activations_handling_ctx` and `with` it around each forward).
+        # Building one per step re-creates its streams and stash each step and handicaps it.
+        yield "torchtune offload", ["offload"], lambda m: None, _built_once(), None
+        yield "torchtune checkpoint + offload", ["checkpoint", "offload"], torch_checkpoint, _built_once(), None
     yield "actcfg torch checkpoint", ["checkpoint"], apply({"backend": "torch", "checkpoint": ckpt}), ctx0, None
     yield "actcfg torch offload all", ["offload"], apply({"backend": "torch", "cpu_checkpointing": True}), ctx0, eng
     yield "actcfg torch checkpoint + cpu", ["checkpoint", "offload"], apply({"backend": "torch", "checkpoint": ckpt, "cpu_checkpointing": True}), ctx0, eng
@@ -238,6 +239,21 @@ def variants(workload: str, have_ds: bool, have_tt: bool, half_budget: int):
     if have_ds:
         yield "actcfg deepspeed checkpoint", ["checkpoint"], apply({"backend": "deepspeed", "checkpoint": ckpt}), ctx0, None
         yield "actcfg deepspeed checkpoint + cpu", ["checkpoint", "offload"], apply({"backend": "deepspeed", "checkpoint": ckpt, "cpu_checkpointing": True}), ctx0, None
+
+
+def _built_once() -> Callable:
+    """A context(model) for one variant that builds torchtune's OffloadActivations on the first
+    step and returns the same one on every later step (torchtune's recipes build it once)."""
+    made: list = []
+
+    def context(model: nn.Module):
+        if not made:
+            from torchtune.training import OffloadActivations
+
+            made.append(OffloadActivations())
+        return made[0]
+
+    return context
 
 
 def main(argv: list[str] | None = None) -> int:

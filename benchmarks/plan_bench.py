@@ -287,8 +287,10 @@ def bench(w: Workload, args: argparse.Namespace, bw: tuple[float, float]) -> tup
     return rows, meta
 
 
-def best_uniform(rows: list[Row], budget: int) -> Row | None:
-    fits = [r for r in rows if r.kind == "uniform" and r.proof == "ok" and not r.skipped and r.peak <= budget]
+def best_uniform(rows: list[Row], workload: str, budget: int) -> Row | None:
+    """The fastest uniform policy of `workload` whose proof held and whose peak fits `budget`."""
+    fits = [r for r in rows if r.workload == workload and r.kind == "uniform" and r.proof == "ok"
+            and not r.skipped and r.peak <= budget]
     return min(fits, key=lambda r: r.step_ms, default=None)
 
 
@@ -310,7 +312,7 @@ def targets(rows: list[Row], workloads: list[str]) -> list[str]:
                                     ("peak", p.peak, p.predicted_peak)):
                 err = (want - got) / got if got else float("nan")
                 add(w, f"{p.variant}: predicted {what} within 10%", f"{err:+.1%}", abs(err) <= 0.10)
-            best = best_uniform(rows, p.budget)
+            best = best_uniform(rows, w, p.budget)
             if best is None:
                 add(w, f"{p.variant}: no slower than the best uniform policy that fits", "no uniform policy fits", p.proof == "ok")
             else:

@@ -58,8 +58,9 @@ def test_exact_choices_on_a_hand_checkable_stack(budget, choices, peak, extra):
 
 
 def test_no_plan_fits_says_so_with_the_smallest_peak():
-    with pytest.raises(PlanError, match=r"^no plan fits memory_budget 0\.00 GiB: the smallest peak any choice "
-                       r"of keep, full per module reaches is 0\.00 GiB .*Raise memory_budget to at least") as info:
+    with pytest.raises(PlanError, match=r"^no plan fits memory_budget 0\.0 MiB: the smallest peak any choice "
+                       r"of keep, full per module reaches is 0\.0 MiB \(plain: 0\.0 MiB\)\. Raise memory_budget "
+                       r"to at least 0\.0 MiB, or plan over more or finer modules \(`checkpoint\.modules`\)$") as info:
         solve(HAND, 13)
     assert info.value.smallest_peak == 14 == smallest_peak(HAND)
 
@@ -223,3 +224,17 @@ def test_solve_imports_no_torch():
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout == "[]\n"
+
+
+def test_what_runs_outside_the_blocks_bounds_every_plan():
+    """An embedding's backward (or the parameter gradients at the end) peaks where no choice
+    reaches: a budget under it has no plan, and the smallest peak says so."""
+    import dataclasses
+
+    profile = dataclasses.replace(HAND, outside_peak=20)
+    assert solve(profile, 20).choices == ("full", "full", "keep")
+    assert predict(profile, ("full", "full", "full")) == (103.0, 20)
+    assert smallest_peak(profile) == 20
+    with pytest.raises(PlanError) as info:
+        solve(profile, 19)
+    assert info.value.smallest_peak == 20

@@ -93,6 +93,9 @@ class Profile:
     """Forward compute after the last block (the last block's copy can hide behind it)."""
     backward_before_ms: float
     """Backward compute before the last block's backward (its reload can hide behind it)."""
+    outside_peak: int = 0
+    """Peak of what runs before the first block and after the last backward mark (an
+    embedding's forward and backward, the parameter gradients at the end): no choice moves it."""
     d2h_gbps: float = 0.0
     """Copy bandwidth to the host, pinned, GB/s (0: offload not profiled)."""
     h2d_gbps: float = 0.0

@@ -139,6 +139,7 @@ class _Step:
     step_ms: float = 0.0
     peak: int = 0
     turn_peak: int = 0
+    outside_peak: int = 0
     forward_after_ms: float = 0.0
     backward_before_ms: float = 0.0
 
@@ -171,6 +172,7 @@ class _Probe:
         self.fwd_peak = [0] * n
         self.bwd_peak = [0] * n
         self.turn_peak = 0
+        self.head_peak = 0
         self.open: int | None = None  # block whose backward is running
         self.marks: dict[int, tuple[list[int], list[int], torch.Tensor]] = {}
         self.turn_open = False
@@ -193,7 +195,9 @@ class _Probe:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             if not self.recording or self.fwd_start[i] is not None:
                 return
-            self.meter.peak_and_reset()
+            before = self.meter.peak_and_reset()
+            if i == 0:
+                self.head_peak = before  # what ran before the first block
             self.fwd_start[i] = self.meter.tick()
             t = _first_grad_tensor((args, kwargs))
             if t is not None:
@@ -255,7 +259,7 @@ class _Probe:
             if self.open is not None:
                 self._end(self.open)
             done = meter.tick()
-            meter.peak_and_reset()
+            tail = meter.peak_and_reset()  # after the last backward mark: the rest of backward
         finally:
             self.recording = False
         del output, loss
@@ -276,6 +280,7 @@ class _Probe:
             step_ms=meter.ms(start, done),
             peak=meter.step_peak,
             turn_peak=self.turn_peak,
+            outside_peak=max(self.head_peak, tail),
             forward_after_ms=meter.ms(self.fwd_end[last], after),
             backward_before_ms=meter.ms(backward, self.bwd_start[last]),
         )
@@ -602,6 +607,7 @@ def _assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, _Run
         turn_peak=max(0, max(turn_peaks)),
         forward_after_ms=ref.step.forward_after_ms,
         backward_before_ms=ref.step.backward_before_ms,
+        outside_peak=max(r.step.outside_peak for r in runs.values()) if cuda else 0,
         d2h_gbps=d2h, h2d_gbps=h2d, device=device, measured=measured,
         notes=tuple(notes) + (() if cuda else (
             "memory on the CPU is counted from saved tensors, not measured: peaks are estimates",)),
@@ -631,12 +637,14 @@ def _assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, _Run
                      for name, f, g, opts in zip(names, forward_ms, backward_ms, options)),
         plain_step_ms=base.plain_step_ms, plain_peak=0, turn_peak=base.turn_peak,
         forward_after_ms=base.forward_after_ms, backward_before_ms=base.backward_before_ms,
+        outside_peak=base.outside_peak,
         d2h_gbps=d2h, h2d_gbps=h2d, device=device, measured=measured, notes=base.notes,
     )
     plain_peak = int(runs["keep"].step.peak) if not estimated_keep and cuda else predict(out, ("keep",) * n)[1]
     return Profile(blocks=out.blocks, plain_step_ms=out.plain_step_ms, plain_peak=plain_peak,
                    turn_peak=out.turn_peak, forward_after_ms=out.forward_after_ms,
-                   backward_before_ms=out.backward_before_ms, d2h_gbps=d2h, h2d_gbps=h2d,
+                   backward_before_ms=out.backward_before_ms, outside_peak=out.outside_peak,
+                   d2h_gbps=d2h, h2d_gbps=h2d,
                    device=device, measured=measured, notes=out.notes)
 
 

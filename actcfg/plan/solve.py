@@ -4,7 +4,8 @@ step time whose predicted peak stays within the budget. Pure: plain numbers in, 
 The model, for blocks 0..n-1 in forward order with choices c (S_b: bytes blocks 0..b-1 hold,
 the sum of their `held`; M_b: bytes block b copies each way; d_b, h_b: those copies' times):
 
-* peak = the largest of, for every block b, its forward (S_b + in flight + `forward_peak`) and
+* peak = the largest of what runs outside the blocks (`outside_peak`) and, for every block b,
+  its forward (S_b + in flight + `forward_peak`) and
   its backward (S_b + M_{b-1} if block b-1 is offloaded, its reload starting when b's backward
   does, + `backward_peak`), and the turn (S_n + in flight + the profile's `turn_peak`). In
   flight during b's forward: block b-1's copy, and block b-2's if it is still running (its
@@ -154,7 +155,7 @@ def predict(profile: Profile, choices: tuple[str, ...] | list[str], max_inflight
         p2, p1 = p1, c
     if t.n:
         step += t.exposed(t.n - 1, p1, None)
-    peak = max(peak, held + t.turn(p2, p1))
+    peak = max(peak, held + t.turn(p2, p1), profile.outside_peak)
     return step, peak
 
 
@@ -183,6 +184,8 @@ def _fastest(profile: Profile, budget: int, max_inflight: int,
              choices: tuple[str, ...]) -> tuple[float, int, tuple[str, ...]] | None:
     """(time, bytes copied, choices) of the fastest plan within `budget`, or None."""
     t = _Terms(profile, max_inflight)
+    if profile.outside_peak > budget:
+        return None
     grain = max(1.0, budget / MAX_FRONT)
     # entry: (held, time, bytes copied, parent entry, choice)
     fronts: dict[tuple[str | None, str | None], list[tuple[Any, ...]]] = {
@@ -245,7 +248,8 @@ def smallest_peak(profile: Profile, max_inflight: int = 1) -> int:
                     front.append((s, pk))
                     best = pk
             fronts[k] = front
-    return min(max(pk, s + t.turn(p2, p1)) for (p2, p1), v in fronts.items() for s, pk in v)
+    return max(profile.outside_peak,
+               min(max(pk, s + t.turn(p2, p1)) for (p2, p1), v in fronts.items() for s, pk in v))
 
 
 def solve(profile: Profile, budget: int, *, max_inflight: tuple[int, ...] = (1, 2)) -> Plan:
@@ -274,4 +278,4 @@ def solve(profile: Profile, budget: int, *, max_inflight: tuple[int, ...] = (1, 
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

@@ -1,0 +1,132 @@
+"""memory_budget on a real GPU: the profile predicts what each uniform choice measures, a plan's
+measured peak stays within its budget with the gradients of the plain run, and `actcfg plan`
+writes, applies and measures a plan. The offload engine's scheduling knobs on the GPU.
+
+Run on the GPU machine: PYTHONPATH=. python3 -m pytest -m cuda -q tests/test_plan_cuda.py
+Sizes are moderate (8 blocks, d_model 1024, batch 4, sequence 1024, bf16) so the file runs in
+about a minute; benchmarks/plan_bench.py measures the issue's sizes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from actcfg.checker import load  # noqa: E402
+from actcfg.plan import CHOICES, predict, smallest_peak, solve  # noqa: E402
+from actcfg.plan.profile import measure_steps, profile  # noqa: E402
+from actcfg.plan.write import policy_text  # noqa: E402
+from actcfg.probes import blocks  # noqa: E402
+from actcfg.runtime import apply  # noqa: E402
+from actcfg.schema import Policy  # noqa: E402
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+]
+
+
+def small_blocks():
+    """The factory `actcfg plan --model test_plan_cuda:small_blocks` loads."""
+    torch.manual_seed(0)
+    return blocks(n=8, d_model=1024, heads=8, ffn=4096, batch=4, seq=1024)
+
+
+@pytest.fixture(scope="module")
+def profiled():
+    model, x = small_blocks()
+    return model, x, profile(model, ("Block",), x, apply=apply)
+
+
+def _grads(model):
+    return {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
+
+
+def test_every_uniform_choice_predicts_what_it_measured(profiled):
+    _, _, prof = profiled
+    assert prof.device == "cuda" and prof.choices() == CHOICES, prof.notes
+    assert prof.d2h_gbps > 1 and prof.h2d_gbps > 1
+    for c in prof.choices():
+        step, peak = predict(prof, (c,) * len(prof.blocks))
+        measured = prof.measured[c]
+        assert peak == pytest.approx(measured["peak"], rel=0.05), c
+        assert step == pytest.approx(measured["step_ms"], rel=0.10), c
+    # the profile measured what checkpointing saves: every checkpointed block holds less
+    for b in prof.blocks:
+        assert b.options["full"].held < b.options["selective"].held < b.options["keep"].held
+        assert b.options["offload"].moved > 0 and b.options["full"].recompute_ms > 0
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 0.75])
+def test_a_plan_stays_within_its_budget_with_the_plain_gradients(profiled, fraction):
+    model, x, prof = profiled
+    low = predict(prof, ("full",) * len(prof.blocks))[1]
+    budget = int(low + fraction * (prof.plain_peak - low))
+    plan = solve(prof, budget)
+    assert plan.peak <= budget
+    source = Policy.model_validate({"version": 1, "checkpoint": {"mode": "auto", "modules": ["Block"]},
+                                    "memory_budget": budget})
+    rules = load(policy_text(plan, prof, source))
+    plain = copy.deepcopy(model)
+    measure_steps(plain, x, steps=1)
+    want = _grads(plain)
+    with apply(model, rules):
+        step_ms, peak = measure_steps(model, x, steps=3)
+        got = _grads(model)
+    assert peak <= budget, (plan.choices, peak, budget)
+    assert peak == pytest.approx(plan.peak, rel=0.10)
+    assert step_ms == pytest.approx(plan.step_ms, rel=0.10)
+    for name, g in want.items():
+        assert ((got[name] - g).norm() / g.norm().clamp_min(1e-30)).item() <= 2e-2, name
+
+
+def test_no_plan_below_the_smallest_peak(profiled):
+    _, _, prof = profiled
+    from actcfg.errors import PlanError
+
+    lowest = smallest_peak(prof)
+    with pytest.raises(PlanError) as info:
+        solve(prof, lowest - 1)
+    assert info.value.smallest_peak == lowest
+    assert solve(prof, lowest).peak == lowest
+
+
+def test_the_plan_cli_writes_applies_and_measures(run_cli, tmp_path):
+    config = tmp_path / "auto.yaml"
+    config.write_text("version: 1\ncheckpoint: {mode: auto, modules: [Block]}\nmemory_budget: 1GiB\n")
+    out = tmp_path / "plan.yaml"
+    result = run_cli("plan", config, "--model", "test_plan_cuda:small_blocks", "-o", out, "--format", "json")
+    import json
+
+    body = json.loads(result.out)
+    assert result.code == (0 if body["ok"] else 1)
+    assert body["ok"], body["measured"]
+    assert body["measured"]["peak"] <= 2**30 and body["written"] == str(out)
+    assert run_cli("validate", out).code == 0
+    policy = load(out)
+    assert policy.checkpoint.mode == "rules" and policy.checkpoint.predicted.peak >= body["predicted"]["peak"]
+
+
+def test_keep_last_holds_the_newest_groups_and_skips_their_copies():
+    """Offloading every block, keep_last 2 keeps the two newest blocks on the GPU at the turn
+    and copies two fewer blocks each way; gradients are the plain run's either way."""
+    model, x = small_blocks()
+    plain = copy.deepcopy(model)
+    measure_steps(plain, x, steps=1)
+    want = _grads(plain)
+    seen = {}
+    for keep_last in (0, 2):
+        cfg = {"version": 1, "checkpoint": {"mode": "rules", "keep_last": keep_last, "rules": [
+            {"modules": ["Block"], "mode": "none", "cpu_checkpointing": True}]}}
+        with apply(model, cfg) as handle:
+            _, peak = measure_steps(model, x, steps=2)
+            seen[keep_last] = (peak, handle.engine.stats.offloaded_bytes,
+                               [g["module"] for g in handle.offload_groups() if g["offloaded_bytes"]])
+            for name, g in want.items():
+                assert ((model.get_parameter(name).grad.float() - g).norm() / g.norm()).item() <= 2e-2
+    assert seen[0][2] == [f"blocks.{i}" for i in range(8)]
+    assert seen[2][2] == [f"blocks.{i}" for i in range(6)]
+    assert seen[2][1] == pytest.approx(seen[0][1] * 6 / 8, rel=0.01)
