@@ -653,6 +653,7 @@ def _plan(args: argparse.Namespace) -> int:
             "measured": {"step_time_ms": step_ms, "peak": peak, "steps": args.steps},
             "plain": {"step_time_ms": report.plain_step_time_ms, "peak": report.plain_peak},
             "plan": report.policy_yaml, "profile": planned.profile.to_json(),
+            "copy_windows": planned.profile.copy_windows(),
         }
         _out(json.dumps(body, indent=2) + "\n")
     else:

@@ -281,7 +281,8 @@ def bench(w: Workload, args: argparse.Namespace, bw: tuple[float, float]) -> tup
                 torch._dynamo.reset()
     predicted_uniform = {c: predict(prof, (c,) * len(prof.blocks))[0] for c in prof.choices()}
     meta = {"profile_s": profile_s, "total_s": time.perf_counter() - t0, "blocks": [b.name for b in prof.blocks],
-            "profile": prof.to_json(), "predicted_uniform_ms": predicted_uniform}
+            "profile": prof.to_json(), "copy_windows": prof.copy_windows(),
+            "predicted_uniform_ms": predicted_uniform}
     del model
     torch.cuda.empty_cache()
     return rows, meta

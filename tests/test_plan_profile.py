@@ -88,6 +88,10 @@ def test_the_profile_has_every_choice_with_counted_bytes_and_puts_the_model_back
         assert o["offload"].extra_ms > o["keep"].extra_ms  # never cheaper than its twin
         assert o["full_offload"].extra_ms > o["full"].extra_ms
     assert set(prof.measured) == set(CHOICES)
+    windows = prof.copy_windows()
+    assert [w["block"] for w in windows] == [b.name for b in prof.blocks]
+    assert windows[0]["to_host_ms"] == prof.blocks[1].forward_ms
+    assert windows[-1]["to_device_ms"] == prof.backward_before_ms and windows[0]["keep_bytes"] == 2 * ONE
     assert prof.plain_peak == predict(prof, ("keep",) * 4)[1]
     assert prof.notes == ("memory on the CPU is counted from saved tensors, not measured: peaks are estimates",)
     # put back: no policy left, gradients, buffers and training mode as they were

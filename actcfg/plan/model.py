@@ -112,6 +112,24 @@ class Profile:
         gbps = self.d2h_gbps if to_host else self.h2d_gbps
         return 0.0 if nbytes == 0 or gbps <= 0 else nbytes / (gbps * 1e6)
 
+    def copy_windows(self) -> list[dict[str, Any]]:
+        """Per block, the compute its copies can hide behind while the copy engine would otherwise
+        idle: to the host, the next block's forward (the last block's: what runs after the
+        blocks); back, the next block's plain backward (the last block's: what runs before it)."""
+        out = []
+        n = len(self.blocks)
+        for b, block in enumerate(self.blocks):
+            later = self.blocks[b + 1] if b + 1 < n else None
+            out.append({
+                "block": block.name,
+                "to_host_ms": later.forward_ms if later else self.forward_after_ms,
+                "to_device_ms": later.backward_ms if later else self.backward_before_ms,
+                "keep_bytes": block.options["keep"].held if "keep" in block.options else None,
+                "to_host_copy_ms": self.copy_ms(block.options["offload"].moved, True)
+                if "offload" in block.options else None,
+            })
+        return out
+
     def choices(self) -> tuple[str, ...]:
         """The choices every block has, in CHOICES order."""
         return tuple(c for c in CHOICES if all(c in b.options for b in self.blocks))
