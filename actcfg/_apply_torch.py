@@ -21,17 +21,17 @@ from torch import nn
 
 from actcfg._wrap import (
     NotPicklable,
-    select_by_rules,
     call_inner,
     call_with_flat_tensors,
     label,
     override_forward,
     prepare_hf_model,
     refuse_stacked_checkpointing,
+    select_by_rules,
     select_modules,
 )
+from actcfg.backends.torch import CHECKPOINT_API
 from actcfg.errors import PolicyApplyError, TranslationError
-from actcfg.translate.torch_native import CHECKPOINT_API
 from actcfg.offload import OffloadEngine, loopback_enabled
 from actcfg.reports import CheckpointCounters, CheckpointReport, OffloadReport, RuleReport
 from actcfg.schema import Policy

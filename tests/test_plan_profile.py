@@ -196,3 +196,27 @@ def test_measure_steps_on_the_cpu_times_and_reports_no_memory():
     model, x = chain(2)
     ms, peak = measure_steps(model, x, steps=2)
     assert ms > 0 and peak == 0
+
+
+def test_a_plain_step_that_does_not_fit_is_estimated_from_the_checkpointed_one():
+    """When the plain step runs out of GPU memory, keep is estimated from the full run: its
+    backward is the full backward less one forward (the recompute), its peaks the full run's
+    plus what keeping holds beyond the inputs, and the plain step the full step less those
+    recomputes. (Synthetic runs: the arithmetic of the fallback, as the GPU profile meets it.)"""
+    from actcfg.plan.profile import _assemble, _Run, _Step
+
+    full = _Step(n=2, forward_ms=[1.0, 1.0], backward_ms=[3.0, 3.0], forward_peak=[50, 60],
+                 backward_peak=[70, 80], step_ms=10.0, peak=80, turn_peak=40, outside_peak=5,
+                 forward_after_ms=0.5, backward_before_ms=0.5)
+    held = {"keep": [30, 30], "full": [10, 10]}
+    prof = _assemble(["b0", "b1"], held, {"full": _Run(full, [0, 0])}, "cuda", 0.0, 0.0,
+                     ["keep: out of GPU memory in its uniform run; estimated from full"])
+    keep, ck = prof.blocks[1].options["keep"], prof.blocks[1].options["full"]
+    assert prof.blocks[0].backward_ms == 2.0 and ck.recompute_ms == 1.0
+    assert prof.plain_step_ms == 8.0
+    assert (ck.forward_peak, ck.backward_peak) == (60 - 10, 80 - 10)
+    assert (keep.forward_peak, keep.backward_peak) == (60 - 10 + 20, 80 - 10)
+    assert prof.turn_peak == 40 - 20 and prof.outside_peak == 5
+    assert prof.plain_peak == predict(prof, ("keep", "keep"))[1]
+    assert prof.notes[0] == "keep: out of GPU memory in its uniform run; estimated from full"
+    assert set(prof.measured) == {"full"}

@@ -19,6 +19,7 @@ loopback).
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import statistics
 import time
@@ -513,7 +514,19 @@ def profile(
     with _restored(model), _quiet():
         model.train()
         with torch.enable_grad():
-            held = {"keep": saved_bytes(model, blocks, args, kwargs)}
+            try:
+                held = {"keep": saved_bytes(model, blocks, args, kwargs)}
+            except torch.cuda.OutOfMemoryError:
+                oom = True
+            else:
+                oom = False
+            if oom:
+                gc.collect()
+                torch.cuda.empty_cache()
+                raise PlanError(
+                    "the model's forward alone does not fit in GPU memory without a policy, so the "
+                    "profile cannot count what each candidate keeps; profile it with a smaller "
+                    "batch (the plan's choices scale with it), or on a GPU with more memory")
             for choice in ("full", "selective"):
                 if choice in wanted:
                     handle = apply(model, _uniform(names, choice, pin, pin_budget))
@@ -529,9 +542,11 @@ def profile(
                     runs[choice] = _run(model, blocks, names, choice, args, kwargs, loss, apply,
                                         meter, steps, pin, pin_budget)
                 except torch.cuda.OutOfMemoryError:
-                    torch.cuda.empty_cache()
                     notes.append(f"{choice}: out of GPU memory in its uniform run; "
                                  + ("estimated from full" if choice == "keep" else "not a choice"))
+                    # the failed step's tensors die with the exception, here: give them back
+                    gc.collect()
+                    torch.cuda.empty_cache()
         d2h = h2d = 0.0
         if device.type == "cuda" and any(c in runs for c in OFFLOADS):
             d2h, h2d = copy_bandwidth()
