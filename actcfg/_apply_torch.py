@@ -256,7 +256,8 @@ class _OffloadScope(NotPicklable):
             step.__enter__()
             self.opened_at_group = step
             self._begin()
-        index = self.engine.mark_group(offload)
+        self.engine.mark_group(offload)
+        index = self.engine.open_group_index
         if index is not None:
             self.group_names[index] = name
 

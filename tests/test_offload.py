@@ -304,9 +304,10 @@ def test_offload_is_lossless(pin):
         for name in grads:
             assert torch.equal(grads[name], plain_grads[name]), name
     st = engine.stats
-    # 6 layers x (linear input, gelu input): the last layer's group stays on the GPU.
+    # 6 layers x (linear input, gelu input): the last layer's group stays on the GPU, and
+    # the model's input is a leaf that requires grad, held by its owner: it stays too.
     per_tensor = 2048 * 1024 * 4
-    assert st.offloaded_tensors == 10 and st.offloaded_bytes == 10 * per_tensor
+    assert st.offloaded_tensors == 9 and st.offloaded_bytes == 9 * per_tensor
     assert st.kept_bytes == 2 * per_tensor
     assert st.reloaded_bytes > 0
     assert (st.pinned_bytes > 0) == pin and (st.pageable_bytes > 0) == (not pin)
