@@ -24,7 +24,7 @@ import logging
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,11 +35,12 @@ from torch.utils._pytree import tree_flatten
 
 from actcfg._apply_torch import resolve_ops
 from actcfg._wrap import select_modules
-from actcfg.errors import PlanError
+from actcfg.errors import PlanError, VerifyError
 from actcfg.offload import OffloadWarning, loopback_enabled
 from actcfg.plan.model import CHOICES, COUNTERPART, OFFLOADS, RULE_OF, BlockProfile, Option, Profile
 from actcfg.plan.solve import predict
 from actcfg.schema import DEFAULT_SAVE_OPS
+from actcfg.verify.factory import split_inputs
 
 __all__ = ["copy_bandwidth", "default_loss", "measure_steps", "profile", "saved_bytes"]
 
@@ -61,14 +62,11 @@ def default_loss(output: Any) -> torch.Tensor:
 
 
 def _split(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if isinstance(inputs, torch.Tensor):
-        return (inputs,), {}
-    if isinstance(inputs, (tuple, list)):
-        return tuple(inputs), {}
-    if isinstance(inputs, Mapping):
-        return (), dict(inputs)
-    raise PlanError(f"example inputs are a {type(inputs).__name__}: give a tensor, a tuple of "
-                    "positional arguments or a dict of keyword arguments")
+    """`verify`'s reading of example inputs (the same contract), refused as a PlanError."""
+    try:
+        return split_inputs(inputs)
+    except VerifyError as e:
+        raise PlanError(str(e)) from e
 
 
 def _first_grad_tensor(value: Any) -> torch.Tensor | None:
