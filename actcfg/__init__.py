@@ -18,10 +18,10 @@ from actcfg.errors import (
     TranslationError,
     VerifyError,
 )
-from actcfg.schema import Backend, Policy
+from actcfg.policy.schema import Backend, Policy
 
 if TYPE_CHECKING:
-    from actcfg.runtime import AppliedPolicy
+    from actcfg.runtime.handle import AppliedPolicy
 
 __all__ = [
     "ActcfgError",
@@ -44,14 +44,14 @@ __all__ = [
 def load(source: Any, *, at: str | None = None, backends: Iterable[Backend | str] = ()) -> Policy:
     """A validated `Policy` from a path, a YAML string, a dict or a `Policy`; `backends` adds
     the rules of those backends, as `actcfg validate --backend` does."""
-    from actcfg.checker import load as _load
+    from actcfg.policy.checker import load as _load
 
     return _load(source, at=at, backends=backends)
 
 
 def translate(policy: Policy, backend: Backend | str | None = None) -> dict[str, Any]:
     """The backend's names for `policy`, as JSON-able data (see `actcfg translate`)."""
-    from actcfg.translate import translate as _translate
+    from actcfg.translators import translate as _translate
 
     return _translate(policy, backend)
 
@@ -60,14 +60,14 @@ def apply(model: Any, cfg: Any, *, backend: Backend | str | None = None, mpu: An
           inputs: Any = None, loss_fn: Any = None) -> AppliedPolicy:
     """Put the policy into effect on `model` (needs torch); returns a removable handle. With
     `checkpoint.mode: auto`, `inputs=` (an example batch) lets it plan first."""
-    from actcfg.runtime import apply as _apply
+    from actcfg.api import apply as _apply
 
     return _apply(model, cfg, backend=backend, mpu=mpu, inputs=inputs, loss_fn=loss_fn)
 
 
 def verify(model_factory: Any, cfg: Any, **kwargs: Any) -> Any:
     """Run the model plain and with the policy; report whether each promise held (needs torch)."""
-    from actcfg.verify import verify as _verify
+    from actcfg.verification import verify as _verify
 
     return _verify(model_factory, cfg, **kwargs)
 
@@ -75,7 +75,7 @@ def verify(model_factory: Any, cfg: Any, **kwargs: Any) -> Any:
 def __getattr__(name: str) -> Any:
     # AppliedPolicy lives with the runtime, which needs torch: import it only when asked for.
     if name == "AppliedPolicy":
-        from actcfg.runtime import AppliedPolicy
+        from actcfg.runtime.handle import AppliedPolicy
 
         return AppliedPolicy
     raise AttributeError(f"module 'actcfg' has no attribute {name!r}")

@@ -19,12 +19,12 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from actcfg._version import __version__
-from actcfg.checker import check_document, check_file, failure_diagnostic
-from actcfg.diagnostics import REPORTER_BY_NAME, Diagnostic, Result, escape_controls
+from actcfg.policy.checker import check_document, check_file, failure_diagnostic
+from actcfg.policy.diagnostics import REPORTER_BY_NAME, Diagnostic, Result, escape_controls
 from actcfg.errors import ActcfgError, TranslationError
 from actcfg.backends import RUNTIME_BACKENDS, Backend
-from actcfg.loader import LoadFailure, read_document
-from actcfg.schema import policy_json_schema
+from actcfg.policy.loader import LoadFailure, read_document
+from actcfg.policy.schema import policy_json_schema
 
 __all__ = ["COMMANDS", "main"]
 
@@ -205,7 +205,7 @@ def _in_file_order(diagnostics: list[Diagnostic]) -> list[Diagnostic]:
 
 
 def _read_config(path: str) -> tuple[Any, list[Diagnostic]]:
-    from actcfg.ds_loader import read_config
+    from actcfg.translators.ds_loader import read_config
 
     try:
         return read_config(path), []
@@ -215,8 +215,8 @@ def _read_config(path: str) -> tuple[Any, list[Diagnostic]]:
 
 def _merge(args: argparse.Namespace, section: dict[str, Any]) -> tuple[str | None, int]:
     """The ds_config's text with `section` spliced in, or None and the exit code."""
-    from actcfg.ds_loader import JsonDocument, parse_config
-    from actcfg.translate.ds_config import merge_conflicts, splice_section
+    from actcfg.translators.ds_loader import JsonDocument, parse_config
+    from actcfg.translators.ds_config import merge_conflicts, splice_section
 
     doc, failed = _read_config(args.merge)
     if failed:
@@ -250,7 +250,7 @@ def _merge(args: argparse.Namespace, section: dict[str, Any]) -> tuple[str | Non
 def _translate(args: argparse.Namespace) -> int:
     import json
 
-    from actcfg.translate import translate
+    from actcfg.translators import translate
 
     _refuse_output_over(args.output, [args.file, args.merge])
     try:
@@ -300,7 +300,7 @@ def _add_translate(sub: Any) -> None:
 def _import(args: argparse.Namespace) -> int:
     if args.backend in (Backend.HF, Backend.LIGHTNING):
         return _import_trainer(args)
-    from actcfg.translate import import_ds_config
+    from actcfg.translators import import_ds_config
 
     _refuse_output_over(args.output, [args.file])
     doc, failed = _read_config(args.file)
@@ -323,7 +323,7 @@ def _import(args: argparse.Namespace) -> int:
 def _import_trainer(args: argparse.Namespace) -> int:
     """`actcfg import --backend hf|lightning`: TrainingArguments or DeepSpeedStrategy keywords,
     as YAML or JSON, back to a policy."""
-    from actcfg.translate.trainer_import import import_strategy_keywords, import_training_arguments
+    from actcfg.translators.trainer_import import import_strategy_keywords, import_training_arguments
 
     hf = args.backend == Backend.HF
     trainer = "transformers" if hf else "Lightning"
@@ -442,9 +442,9 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _verify_here(args: argparse.Namespace, write: bool = True) -> int:
     # Imported here, not above: verify measures with torch, and validate must never load it.
-    from actcfg.verify import DEFAULT_MODEL, load_factory, require_cuda, verify
-    from actcfg.verify.render import REPORTER_BY_NAME as RENDERERS
-    from actcfg.verify.render import plot_memory, require_plotting
+    from actcfg.verification import DEFAULT_MODEL, load_factory, require_cuda, verify
+    from actcfg.verification.render import REPORTER_BY_NAME as RENDERERS
+    from actcfg.verification.render import plot_memory, require_plotting
 
     policy, diagnostics = check_file(args.config, backends=(args.backend,) if args.backend else ())
     if policy is None:  # an invalid policy is 1, as in validate; unreadable 2
@@ -586,7 +586,7 @@ def _to_device(value: Any, device: Any) -> Any:
 def _plan(args: argparse.Namespace) -> int:
     """Profile, solve, write the rules policy, apply it and measure: exit 0 when the measured
     peak is within the budget, 1 when it is not or no plan fits, 2 for usage."""
-    from actcfg.schema import parse_size
+    from actcfg.policy.schema import parse_size
 
     _refuse_output_over(args.output, [args.config])
     policy, diagnostics = check_file(args.config)
@@ -606,7 +606,7 @@ def _plan(args: argparse.Namespace) -> int:
         policy = policy.model_copy(update={"memory_budget": budget})
     if args.steps < 1:
         return _refuse_verify(args, 2, f"--steps must be at least 1, got {args.steps}")
-    from actcfg.verify import load_factory
+    from actcfg.verification import load_factory
 
     try:
         factory = load_factory(args.model)
@@ -623,9 +623,9 @@ def _plan(args: argparse.Namespace) -> int:
     from actcfg.errors import PlanError
     from actcfg.plan import plan_model
     from actcfg.plan.profile import measure_steps
-    from actcfg.runtime import apply
-    from actcfg.verify.factory import build
-    from actcfg.verify.measure import BUILD_SEED
+    from actcfg.api import apply
+    from actcfg.verification.factory import build
+    from actcfg.verification.measure import BUILD_SEED
 
     torch.manual_seed(BUILD_SEED)
     model, inputs = build(factory)

@@ -1,8 +1,8 @@
 """The bundled probe models, under the name `actcfg verify --model actcfg.probes:blocks` uses.
 
-They live in `actcfg.verify.models`; this module keeps the documented spelling working.
+They live in `actcfg.verification.models`; this module keeps the documented spelling working.
 """
 
-from actcfg.verify.models import Block, BlockStack, blocks, linear_chain
+from actcfg.verification.models import Block, BlockStack, blocks, linear_chain
 
 __all__ = ["Block", "BlockStack", "blocks", "linear_chain"]

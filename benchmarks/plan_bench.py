@@ -42,13 +42,13 @@ from torch import nn
 
 import actcfg
 from actcfg import probes
-from actcfg.checker import load
+from actcfg.policy.checker import load
 from actcfg.errors import PlanError
 from actcfg.plan import OFFLOADS, predict, solve
 from actcfg.plan.profile import copy_bandwidth, default_loss, profile
 from actcfg.plan.write import policy_text
-from actcfg.runtime import apply
-from actcfg.schema import Policy
+from actcfg.api import apply
+from actcfg.policy.schema import Policy
 
 GiB = 2**30
 TOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4}

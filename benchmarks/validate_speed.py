@@ -70,8 +70,8 @@ from pydantic import BaseModel
 mark("import pydantic (BaseModel)")
 import yaml
 mark("import yaml")
-import actcfg.schema
-mark("actcfg.schema (models built)")
+import actcfg.policy.schema
+mark("actcfg.policy.schema (models built)")
 from actcfg.cli import main
 mark("rest of actcfg.cli")
 with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
@@ -176,7 +176,7 @@ def main() -> None:
               "interleaved with the runs above)")
         print(f"ratio: actcfg is {theirs / ours:.1f}x faster than DeepSpeed's own config path")
 
-    from actcfg.checker import check_file
+    from actcfg.policy.checker import check_file
 
     with tempfile.TemporaryDirectory() as tmp:
         paths = _generated(Path(tmp), args.files)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from actcfg.schema import Policy
+from actcfg.policy.schema import Policy
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -89,7 +89,7 @@ def golden_names() -> dict[str, Policy]:
 def translated(policy: Policy, backend: str) -> dict[str, Any]:
     """What a golden file pins: the translation, or the TranslationError it raises."""
     from actcfg.errors import TranslationError
-    from actcfg.translate import translate
+    from actcfg.translators import translate
 
     try:
         return translate(policy, backend)

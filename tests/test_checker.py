@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from actcfg.checker import check_file, check_text, load
-from actcfg.diagnostics import Diagnostic
+from actcfg.policy.checker import check_file, check_text, load
+from actcfg.policy.diagnostics import Diagnostic
 from actcfg.errors import ActcfgError, ConfigLoadError
-from actcfg.schema import Backend, Policy
+from actcfg.policy.schema import Backend, Policy
 from conftest import CONFIGS, DATA
 
 VALID = sorted((DATA / "valid").glob("*.yaml"))

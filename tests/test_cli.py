@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import actcfg.cli
-from actcfg.checker import check_file
-from actcfg.schema import policy_json_schema
+from actcfg.policy.checker import check_file
+from actcfg.policy.schema import policy_json_schema
 from conftest import CONFIGS, DATA, ROOT
 
 DS_CPU = ROOT / "configs" / "deepspeed-cpu-checkpointing.yaml"

@@ -19,7 +19,7 @@ from torch import nn
 
 import actcfg
 from actcfg.errors import ActcfgError, OffloadError, PolicyApplyError
-from actcfg.offload import OffloadWarning, host_loopback
+from actcfg.runtime.offload import OffloadWarning, host_loopback
 from actcfg.probes import blocks
 
 try:

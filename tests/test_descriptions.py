@@ -1,9 +1,9 @@
-"""actcfg/_descriptions.py is the field docstrings of actcfg/schema.py, and nothing else.
+"""actcfg/policy/_descriptions.py is the field docstrings of actcfg/policy/schema.py, and nothing else.
 
 The docstring under each field is the one source of its description (STYLE.md rule 4).
 Pydantic's `use_attribute_docstrings=True` re-reads schema.py's source on every import,
 which cost `actcfg validate` about 9 ms cold; instead the descriptions are derived here,
-with `ast` and `inspect.cleandoc` as Pydantic does, and written to actcfg/_descriptions.py,
+with `ast` and `inspect.cleandoc` as Pydantic does, and written to actcfg/policy/_descriptions.py,
 which schema.py passes as `Field(description=...)`. These tests fail when a docstring and
 the generated file disagree. To regenerate after editing a docstring:
 
@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SCHEMA = ROOT / "actcfg" / "schema.py"
-GENERATED = ROOT / "actcfg" / "_descriptions.py"
+SCHEMA = ROOT / "actcfg" / "policy" / "schema.py"
+GENERATED = ROOT / "actcfg" / "policy" / "_descriptions.py"
 REGENERATE = "python tests/test_descriptions.py"
 
 _HEADER = f'''"""Field descriptions for `actcfg schema`: the docstring under each field in schema.py.
@@ -51,7 +51,7 @@ def derive(source: str) -> dict[str, str]:
 
 
 def render(descriptions: dict[str, str]) -> str:
-    """The text of actcfg/_descriptions.py for `descriptions`."""
+    """The text of actcfg/policy/_descriptions.py for `descriptions`."""
     lines = [f"    {key!r}: {text!r},\n" for key, text in descriptions.items()]
     return _HEADER + "DESCRIPTIONS: dict[str, str] = {\n" + "".join(lines) + "}\n"
 
@@ -62,14 +62,14 @@ def _expected() -> str:
 
 def test_generated_descriptions_match_the_docstrings():
     assert GENERATED.read_text(encoding="utf-8") == _expected(), (
-        f"actcfg/_descriptions.py is out of date with the field docstrings in schema.py: run `{REGENERATE}`"
+        f"actcfg/policy/_descriptions.py is out of date with the field docstrings in schema.py: run `{REGENERATE}`"
     )
 
 
 def test_every_field_is_described_by_its_own_docstring():
     from pydantic import BaseModel
 
-    from actcfg import schema
+    from actcfg.policy import schema
 
     docstrings = derive(SCHEMA.read_text(encoding="utf-8"))
     models = [m for m in vars(schema).values()
@@ -87,7 +87,7 @@ def test_every_field_is_described_by_its_own_docstring():
 
 
 def test_every_docstring_is_used():
-    from actcfg import schema
+    from actcfg.policy import schema
 
     for key in derive(SCHEMA.read_text(encoding="utf-8")):
         cls, _, field = key.partition(".")

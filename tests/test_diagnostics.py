@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from actcfg.diagnostics import REPORTER_BY_NAME, Diagnostic, Result
+from actcfg.policy.diagnostics import REPORTER_BY_NAME, Diagnostic, Result
 
 ERR = Diagnostic("p.yaml", 3, 5, "unknown-key", "error", "unknown key `x`", "did you mean `y`?")
 WARN = Diagnostic("p.yaml", 4, 1, "unused-setting", "warning", "50% of it, a,b: c", "line1\nline2\r")

@@ -54,7 +54,7 @@ def _init(rank: int, port: int, deepspeed: bool = False) -> None:
 def held_per_block(model: nn.Module, layers: list[nn.Module], x: torch.Tensor) -> tuple[float, Any]:
     """Growth of allocated GPU memory per block over the second half, in bytes, from a forward
     of `model` on `x`; and the output (for backward)."""
-    from actcfg.verify.report import growth_per_block
+    from actcfg.verification.report import growth_per_block
 
     held: list[int] = []
     torch.cuda.synchronize()

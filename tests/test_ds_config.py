@@ -1,4 +1,4 @@
-"""actcfg.translate.ds_config: merging into and importing from existing DeepSpeed (and
+"""actcfg.translators.ds_config: merging into and importing from existing DeepSpeed (and
 gpt-neox) configs, against what DeepSpeed's own parser reads."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import json
 import pytest
 import yaml
 
-from actcfg.ds_loader import parse_config
+from actcfg.translators.ds_loader import parse_config
 from actcfg.errors import TranslationError
-from actcfg.schema import Finding, Policy
-from actcfg.translate import ImportResult, import_ds_config, merge_ds_config, to_deepspeed
-from actcfg.translate.ds_config import MODULES_PLACEHOLDER, merge_conflicts, splice_section
+from actcfg.policy.schema import Finding, Policy
+from actcfg.translators import ImportResult, import_ds_config, merge_ds_config, to_deepspeed
+from actcfg.translators.ds_config import MODULES_PLACEHOLDER, merge_conflicts, splice_section
 
 try:
     from tests._deepspeed_env import ds_env
@@ -235,7 +235,7 @@ def test_import_output_is_pinned() -> None:
 
 
 def test_import_without_modules_writes_a_placeholder_that_validate_refuses() -> None:
-    from actcfg.checker import check_text
+    from actcfg.policy.checker import check_text
 
     result = import_ds_config({AC: {}})
     assert _codes(result) == [("warning", "placeholder", (AC,))]

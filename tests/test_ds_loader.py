@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from actcfg.ds_loader import JsonDocument, parse_config, read_config
-from actcfg.loader import Document, LoadFailure
+from actcfg.translators.ds_loader import JsonDocument, parse_config, read_config
+from actcfg.policy.loader import Document, LoadFailure
 
 
 def _fail(text: str) -> LoadFailure:

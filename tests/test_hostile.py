@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actcfg.cli import main
-from actcfg.suggest import FOREIGN_NAMES, keys_at
+from actcfg.policy.suggest import FOREIGN_NAMES, keys_at
 from conftest import CONFIGS
 
 FILE_LEVEL = {"file-not-found", "file-unreadable", "file-too-large", "file-encoding"}
@@ -383,7 +383,7 @@ def test_random_ds_configs_through_import_and_merge(data, indent, comment):
         assert out.startswith("# actcfg policy imported from a ")
     code, out, _ = _run("translate", str(_POLICY), "--merge", str(path))
     if code == 0:
-        from actcfg.ds_loader import parse_config
+        from actcfg.translators.ds_loader import parse_config
 
         # As the file reads (hjson reads a bare `Infinity` as a string, json.load as a float).
         before = parse_config(text, "ds.json").data

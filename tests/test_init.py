@@ -11,7 +11,7 @@ import actcfg
 def test_every_public_name_resolves():
     assert all(getattr(actcfg, name) is not None for name in actcfg.__all__)
     assert issubclass(actcfg.OffloadError, actcfg.PolicyApplyError)
-    from actcfg.runtime import AppliedPolicy
+    from actcfg.runtime.handle import AppliedPolicy
 
     assert actcfg.AppliedPolicy is AppliedPolicy
 

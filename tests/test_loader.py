@@ -6,7 +6,7 @@ import codecs
 
 import pytest
 
-from actcfg.loader import (
+from actcfg.policy.loader import (
     MAX_BYTES,
     LoadFailure,
     parse_document,

@@ -89,7 +89,7 @@ def _fsdp_worker(rank: int, out_dir: str, port: int) -> None:
     import actcfg
     from torch.distributed.device_mesh import init_device_mesh
 
-    from actcfg.offload import host_loopback
+    from actcfg.runtime.offload import host_loopback
 
     init_group(rank, port)
     mesh = init_device_mesh("cpu", (WORLD,))
@@ -383,7 +383,7 @@ PARTITION_CONFIG = CONFIGS / "deepspeed-partition-model-parallel.yaml"
 
 def synthetic(per_block: int, grad_error: float = 0.0) -> Any:
     """Measurements of 8 blocks whose checkpoint memory grows by `per_block` bytes per block."""
-    from actcfg.verify import GradDiff, Measurements, RunMeasurement
+    from actcfg.verification import GradDiff, Measurements, RunMeasurement
 
     return Measurements(
         blocks=tuple(f"blocks.{i}" for i in range(8)), block_input_bytes=B,
@@ -395,10 +395,10 @@ def synthetic(per_block: int, grad_error: float = 0.0) -> Any:
 
 def _gather_worker(rank: int, out_dir: str, port: int) -> None:
     from actcfg.errors import VerifyError
-    from actcfg.schema import Policy
-    from actcfg.verify import VerifyReport, judge_ranks
-    from actcfg.verify.measure import gather_ranks
-    from actcfg.verify.render import render_text
+    from actcfg.policy.schema import Policy
+    from actcfg.verification import VerifyReport, judge_ranks
+    from actcfg.verification.measure import gather_ranks
+    from actcfg.verification.render import render_text
 
     init_group(rank, port)
     policy = Policy.model_validate(PARTITION)
@@ -456,8 +456,8 @@ def _cli_worker(rank: int, out_dir: str, port: int, ports: list[int]) -> None:
 
     import torch.distributed as dist
 
-    import actcfg.verify
-    import actcfg.verify.measure as measure
+    import actcfg.verification
+    import actcfg.verification.measure as measure
     from actcfg.cli import main
     from actcfg.errors import VerifyError
 
@@ -472,7 +472,7 @@ def _cli_worker(rank: int, out_dir: str, port: int, ports: list[int]) -> None:
             raise VerifyError(outcome)
         return synthetic(outcome)
 
-    actcfg.verify.require_cuda = measure.require_cuda = lambda: None
+    actcfg.verification.require_cuda = measure.require_cuda = lambda: None
     measure.measure_here = measured_here
     result = {}
     for case, case_port in zip(CLI_CASES, ports):

@@ -21,7 +21,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 def test_engine_without_cuda_is_a_clear_error():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    from actcfg.offload import OffloadEngine
+    from actcfg.runtime.offload import OffloadEngine
 
     with pytest.raises(OffloadError, match=r"^cpu_checkpointing needs a CUDA GPU: .* set `cpu_checkpointing: false`\.$"):
         OffloadEngine()
@@ -32,7 +32,7 @@ def test_engine_without_cuda_is_a_clear_error():
 
 @pytest.fixture
 def host():
-    from actcfg.offload import OffloadEngine, host_loopback
+    from actcfg.runtime.offload import OffloadEngine, host_loopback
 
     with host_loopback():
         yield OffloadEngine(pin=False, min_offload_bytes=1024, device="cpu")
@@ -132,7 +132,7 @@ def test_loopback_pool_reuses_buffers_step_after_step_and_grows_only_on_a_miss(h
 
 @pytest.mark.parametrize(("prefetch", "late"), [(0, 3), (1, 0)])
 def test_loopback_prefetch_reloads_the_group_below_before_it_is_needed(prefetch, late):
-    from actcfg.offload import OffloadEngine, host_loopback
+    from actcfg.runtime.offload import OffloadEngine, host_loopback
 
     with host_loopback():
         engine = OffloadEngine(pin=False, min_offload_bytes=0, prefetch=prefetch, device="cpu")
@@ -178,7 +178,7 @@ def test_loopback_keep_last_keeps_the_newest_groups_marked_for_offload(keep_last
     group still open at the end (4) never moves; keep_last keeps the newest ones before it too.
     In the first step the engine knows the last groups only by the copies still in flight at
     the end (one, with max_inflight 1); from the second step on, by the step before."""
-    from actcfg.offload import OffloadEngine, host_loopback
+    from actcfg.runtime.offload import OffloadEngine, host_loopback
 
     with host_loopback():
         engine = OffloadEngine(pin=False, min_offload_bytes=0, keep_last=keep_last, device="cpu")
@@ -193,7 +193,7 @@ def test_loopback_keep_last_keeps_the_newest_groups_marked_for_offload(keep_last
 
 
 def test_loopback_groups_marked_offload_false_stay_and_are_counted():
-    from actcfg.offload import OffloadEngine, host_loopback
+    from actcfg.runtime.offload import OffloadEngine, host_loopback
 
     with host_loopback():
         engine = OffloadEngine(pin=False, min_offload_bytes=0, keep_last=0, device="cpu")
@@ -227,7 +227,7 @@ def test_loopback_max_inflight_bounds_the_copies_in_flight(monkeypatch, max_infl
     """With copies that finish late, the compute stream waits for the oldest copy once
     `max_inflight` are in flight; more in flight means fewer waits, and more groups still on the
     device at the turn for keep_last to keep in the first step (here keep_last 3)."""
-    from actcfg import offload
+    from actcfg.runtime import offload
 
     monkeypatch.setattr(offload._HostStream, "record_event", lambda self: _Pending())
     with offload.host_loopback():
@@ -291,7 +291,7 @@ def _pair(n=6, width=1024, rows=2048, dtype=torch.float32):
 @pytest.mark.parametrize("pin", [True, False])
 def test_offload_is_lossless(pin):
     """Every saved activation goes to the host and back; gradients are bitwise the plain run's."""
-    from actcfg.offload import OffloadEngine
+    from actcfg.runtime.offload import OffloadEngine
 
     model, x = _pair()
     plain_out, plain_grads = _run(model, x)
@@ -317,7 +317,7 @@ def test_offload_is_lossless(pin):
 @pytest.mark.cuda
 @cuda
 def test_memory_held_per_block_is_flat_and_pool_is_reused():
-    from actcfg.offload import OffloadEngine
+    from actcfg.runtime.offload import OffloadEngine
 
     n, width, rows = 12, 1024, 4096
     model, x = _pair(n, width, rows)
@@ -345,7 +345,7 @@ def test_memory_held_per_block_is_flat_and_pool_is_reused():
 @pytest.mark.cuda
 @cuda
 def test_pin_budget_bounds_pinned_memory_and_falls_back_once():
-    from actcfg.offload import OffloadEngine, OffloadWarning
+    from actcfg.runtime.offload import OffloadEngine, OffloadWarning
 
     model, x = _pair()
     _, plain_grads = _run(model, x)
@@ -369,7 +369,7 @@ def test_pin_budget_bounds_pinned_memory_and_falls_back_once():
 @pytest.mark.cuda
 @cuda
 def test_failing_pinned_allocator_falls_back_to_pageable(monkeypatch):
-    from actcfg import offload
+    from actcfg.runtime import offload
 
     def refuse(self, buffer):
         raise RuntimeError("cudaHostRegister returned error 2")
@@ -390,7 +390,7 @@ def test_failing_pinned_allocator_falls_back_to_pageable(monkeypatch):
 @pytest.mark.cuda
 @cuda
 def test_in_place_change_of_a_saved_tensor_is_an_error_not_a_wrong_gradient():
-    from actcfg.offload import OffloadEngine
+    from actcfg.runtime.offload import OffloadEngine
 
     lin = nn.Linear(1024, 1024).cuda()
     engine = OffloadEngine()
@@ -411,7 +411,7 @@ def test_in_place_change_of_a_saved_tensor_is_an_error_not_a_wrong_gradient():
 @pytest.mark.cuda
 @cuda
 def test_exception_in_forward_leaves_the_engine_usable():
-    from actcfg.offload import OffloadEngine
+    from actcfg.runtime.offload import OffloadEngine
 
     model, x = _pair()
     _, plain_grads = _run(model, x)
@@ -434,7 +434,7 @@ def test_exception_in_forward_leaves_the_engine_usable():
 @pytest.mark.cuda
 @cuda
 def test_out_of_memory_on_reload_names_the_setting():
-    from actcfg.offload import OffloadEngine
+    from actcfg.runtime.offload import OffloadEngine
 
     model, x = _pair(n=4, width=4096, rows=8192)
     engine = OffloadEngine()

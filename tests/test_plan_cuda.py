@@ -15,13 +15,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from actcfg.checker import load  # noqa: E402
+from actcfg.policy.checker import load  # noqa: E402
 from actcfg.plan import CHOICES, predict, smallest_peak, solve  # noqa: E402
 from actcfg.plan.profile import measure_steps, profile  # noqa: E402
 from actcfg.plan.write import policy_text  # noqa: E402
 from actcfg.probes import blocks  # noqa: E402
-from actcfg.runtime import apply  # noqa: E402
-from actcfg.schema import Policy  # noqa: E402
+from actcfg.api import apply  # noqa: E402
+from actcfg.policy.schema import Policy  # noqa: E402
 
 pytestmark = [
     pytest.mark.cuda,

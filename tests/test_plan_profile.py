@@ -15,7 +15,7 @@ from torch import nn
 from actcfg.errors import PlanError, PolicyApplyError
 from actcfg.plan import CHOICES, predict, solve
 from actcfg.plan.profile import measure_steps, profile, saved_bytes
-from actcfg.runtime import apply
+from actcfg.api import apply
 
 
 class Layer(nn.Module):
@@ -54,7 +54,7 @@ def chain(n: int = 4) -> tuple[Chain, torch.Tensor]:
 
 @pytest.fixture
 def loopback():
-    from actcfg.offload import host_loopback
+    from actcfg.runtime.offload import host_loopback
 
     with host_loopback():
         yield

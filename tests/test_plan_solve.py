@@ -15,7 +15,7 @@ from actcfg.errors import PlanError
 from actcfg.plan import CHOICES, OFFLOADS, BlockProfile, Option, Profile, predict, smallest_peak, solve
 from actcfg.plan.model import COUNTERPART
 from actcfg.plan.write import policy_text
-from actcfg.schema import Policy
+from actcfg.policy.schema import Policy
 
 
 def _profile(blocks: list[dict[str, Option]], *, turn: int = 3, f: float = 1.0, g: float = 2.0,

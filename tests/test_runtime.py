@@ -13,7 +13,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from actcfg.errors import ActcfgError, PolicyApplyError
 from actcfg.probes import Block, blocks, linear_chain
-from actcfg.runtime import AppliedPolicy, apply, select_modules
+from actcfg.api import AppliedPolicy, apply
+from actcfg.runtime.wrap import select_modules
 
 API = "torch.utils.checkpoint.checkpoint"
 NON_REENTRANT = {"use_reentrant": False, "preserve_rng_state": True}
@@ -82,8 +83,8 @@ def test_wraps_selected_modules_with_the_reported_api(mode):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_apply_executes_the_translated_plan(mode):
     """What `actcfg translate --backend torch` prints is what runs: the same api and kwargs."""
-    from actcfg.checker import load
-    from actcfg.translate import to_torch_native
+    from actcfg.policy.checker import load
+    from actcfg.translators import to_torch_native
 
     model, _ = small_blocks()
     cfg = policy(mode, ["Block"])
@@ -130,7 +131,7 @@ def test_report_is_plain_data():
 
 
 def test_cfg_can_be_yaml_text_or_policy_object():
-    from actcfg.checker import load
+    from actcfg.policy.checker import load
 
     text = "version: 1\ncheckpoint:\n  mode: full\n  modules: [Block]\n"
     a, _ = small_blocks(2)
@@ -398,7 +399,7 @@ def test_unknown_save_op_is_refused():
 
 
 def test_save_op_resolves_to_every_overload_or_the_named_one():
-    from actcfg.runtime import resolve_ops
+    from actcfg.runtime.torch_applier import resolve_ops
 
     assert set(resolve_ops(("aten.mm",))) == {getattr(torch.ops.aten.mm, o) for o in torch.ops.aten.mm.overloads()}
     assert torch.ops.aten.mm.default in resolve_ops(("aten.mm",))
@@ -539,7 +540,7 @@ def test_an_exception_in_backward_leaves_the_next_step_working(mode):
 
 @pytest.fixture
 def loopback():
-    from actcfg.offload import host_loopback
+    from actcfg.runtime.offload import host_loopback
 
     with host_loopback():
         yield

@@ -22,7 +22,7 @@ from torch import nn
 
 from actcfg.errors import PolicyApplyError
 from actcfg.probes import blocks, linear_chain
-from actcfg.runtime import apply
+from actcfg.api import apply
 
 try:
     from tests._deepspeed_env import ds_env
@@ -235,7 +235,7 @@ def plain_grads(model: nn.Module, x: torch.Tensor, cot: torch.Tensor) -> dict[st
 
 
 def test_pinned_memory_never_exceeds_pin_budget():
-    from actcfg.offload import OffloadWarning
+    from actcfg.runtime.offload import OffloadWarning
 
     model, x = seed_small()
     cot = torch.randn_like(x)

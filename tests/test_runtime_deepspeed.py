@@ -24,7 +24,7 @@ except ImportError:  # pytest's rootdir-relative import mode
 from actcfg import _apply_deepspeed
 from actcfg.errors import PolicyApplyError
 from actcfg.probes import blocks, linear_chain
-from actcfg.runtime import apply, mpu_from_group
+from actcfg.api import apply, mpu_from_group
 
 __all__ = ["ds_env"]
 

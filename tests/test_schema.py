@@ -8,8 +8,8 @@ import jsonschema
 import pytest
 from pydantic import ValidationError
 
-from actcfg.loader import read_document
-from actcfg.schema import (
+from actcfg.policy.loader import read_document
+from actcfg.policy.schema import (
     Backend,
     Finding,
     FullCheckpoint,
@@ -250,7 +250,7 @@ def test_schema_rejects_invalid_files(name):
 def test_readme_key_table_documents_every_key():
     import re
 
-    from actcfg.suggest import keys_at
+    from actcfg.policy.suggest import keys_at
 
     rows = re.findall(r"^\| `([a-z_.]+)` \|", (ROOT / "README.md").read_text(), re.M)
     expected = [*keys_at(()), *(f"checkpoint.{k}" for k in keys_at(("checkpoint",), "selective"))]
@@ -337,7 +337,7 @@ def test_rules_and_auto_are_torch_only(backend, code, checkpoint):
 
 def test_rules_and_auto_are_refused_for_hf_and_lightning_translation():
     from actcfg.errors import TranslationError
-    from actcfg.translate import translate
+    from actcfg.translators import translate
 
     policy = Policy.model_validate({"version": 1, "checkpoint": RULES})
     with pytest.raises(TranslationError, match=r"^checkpoint\.mode: the hf backend cannot express this: "

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from actcfg.schema import Policy
-from actcfg.suggest import FOREIGN_NAMES, keys_at, suggest
+from actcfg.policy.schema import Policy
+from actcfg.policy.suggest import FOREIGN_NAMES, keys_at, suggest
 
 TOP = keys_at(())
 CKPT = keys_at(("checkpoint",), "full")

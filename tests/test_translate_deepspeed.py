@@ -1,4 +1,4 @@
-"""actcfg.translate.deepspeed against the real DeepSpeed: its config parser and configure()."""
+"""actcfg.translators.deepspeed against the real DeepSpeed: its config parser and configure()."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 from actcfg.errors import TranslationError
 from actcfg.backends.deepspeed import TABLE
 from actcfg.backends.table import Key, Meta, RoutedBy, Unsupported
-from actcfg.schema import Policy, policy_field_paths
-from actcfg.translate import TRANSLATORS, translate
-from actcfg.translate.deepspeed import to_deepspeed
+from actcfg.policy.schema import Policy, policy_field_paths
+from actcfg.translators import TRANSLATORS, translate
+from actcfg.translators.deepspeed import to_deepspeed
 
 try:
     from tests._deepspeed_env import GLOBAL_BY_KWARG, ds_env, ds_globals
@@ -58,8 +58,8 @@ def test_translators_import_no_torch() -> None:
     import sys
 
     code = (
-        "import sys, actcfg.translate as t\n"
-        "from actcfg.schema import Policy\n"
+        "import sys, actcfg.translators as t\n"
+        "from actcfg.policy.schema import Policy\n"
         "p = Policy.model_validate({'version': 1, 'checkpoint': {'mode': 'full', 'modules': ['B']},"
         " 'cpu_checkpointing': True})\n"
         "t.translate(p, 'deepspeed'); t.translate(p, 'torch')\n"

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 import actcfg
-from actcfg.translate import to_hf
-from actcfg.translate.trainer_import import import_training_arguments
+from actcfg.translators import to_hf
+from actcfg.translators.trainer_import import import_training_arguments
 
 FULL = "version: 1\ncheckpoint: {mode: full, modules: [LlamaDecoderLayer]}\n"
 

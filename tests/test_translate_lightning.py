@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 import actcfg
-from actcfg.translate import to_lightning
-from actcfg.translate.trainer_import import import_strategy_keywords
+from actcfg.translators import to_lightning
+from actcfg.translators.trainer_import import import_strategy_keywords
 
 try:
     from tests._deepspeed_env import ds_env, ds_globals

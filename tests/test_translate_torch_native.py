@@ -1,4 +1,4 @@
-"""actcfg.translate.torch_native: the WrapPlan, bound against the real torch APIs."""
+"""actcfg.translators.torch_native: the WrapPlan, bound against the real torch APIs."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 from actcfg.backends.table import Key, Meta, RoutedBy, Unsupported
 from actcfg.backends.torch import TABLE
 from actcfg.errors import TranslationError
-from actcfg.schema import DEFAULT_SAVE_OPS, Policy, policy_field_paths
-from actcfg.translate import translate
-from actcfg.translate.torch_native import (
+from actcfg.policy.schema import DEFAULT_SAVE_OPS, Policy, policy_field_paths
+from actcfg.translators import translate
+from actcfg.translators.torch_native import (
     CHECKPOINT_API,
     OFFLOAD_ENGINE,
     CheckpointPlan,
@@ -225,7 +225,7 @@ torch = pytest.importorskip("torch")
 
 
 def test_api_names_resolve() -> None:
-    from actcfg.offload import OffloadEngine
+    from actcfg.runtime.offload import OffloadEngine
 
     assert _resolve(CHECKPOINT_API) is torch.utils.checkpoint.checkpoint
     assert _resolve(OFFLOAD_ENGINE) is OffloadEngine
@@ -320,7 +320,7 @@ def test_selective_plan_saves_mm_full_plan_recomputes_it() -> None:
 
 
 def test_offload_plan_binds_the_engine() -> None:
-    from actcfg.offload import OffloadEngine
+    from actcfg.runtime.offload import OffloadEngine
 
     plan = PLANS["torch-offload-all"].offload
     bound = inspect.signature(OffloadEngine).bind(pin=plan.pin, pin_budget=plan.pin_budget)

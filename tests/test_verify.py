@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from actcfg.errors import ActcfgError, VerifyError
-from actcfg.schema import Policy
-from actcfg.verify import (
+from actcfg.policy.schema import Policy
+from actcfg.verification import (
     GradDiff,
     Measurements,
     RunMeasurement,
@@ -26,8 +26,8 @@ from actcfg.verify import (
     load_factory,
     verify,
 )
-from actcfg.verify.render import REPORTER_BY_NAME, plot_memory, render_json, render_text
-from actcfg.verify.report import growth_per_block
+from actcfg.verification.render import REPORTER_BY_NAME, plot_memory, render_json, render_text
+from actcfg.verification.report import growth_per_block
 
 ROOT = Path(__file__).resolve().parent.parent
 B = 262_144_000  # one block input of the seed chain: 256 x 256 x 2000 fp16
@@ -464,7 +464,7 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
 
 
 def test_load_factory_finds_a_dotted_attribute():
-    assert load_factory("actcfg.verify:VerifyReport.to_dict") is VerifyReport.to_dict
+    assert load_factory("actcfg.verification:VerifyReport.to_dict") is VerifyReport.to_dict
 
 
 @pytest.mark.parametrize(("spec", "message"), [
@@ -474,9 +474,9 @@ def test_load_factory_finds_a_dotted_attribute():
                       "actcfg.probes:linear_chain)"),
     ("actcfg.nowhere:f", "--model 'actcfg.nowhere:f': cannot import actcfg.nowhere: No module "
                          "named 'actcfg.nowhere'"),
-    ("actcfg.verify:nothing", "--model 'actcfg.verify:nothing': actcfg.verify has no attribute "
+    ("actcfg.verification:nothing", "--model 'actcfg.verification:nothing': actcfg.verification has no attribute "
                               "'nothing'"),
-    ("actcfg.verify:DEFAULT_MODEL", "--model 'actcfg.verify:DEFAULT_MODEL': DEFAULT_MODEL is a "
+    ("actcfg.verification:DEFAULT_MODEL", "--model 'actcfg.verification:DEFAULT_MODEL': DEFAULT_MODEL is a "
                                     "str, not a callable factory returning (model, "
                                     "example_inputs)"),
 ])
@@ -488,7 +488,8 @@ def test_load_factory_refusals(spec, message):
 
 def test_the_factory_contract():
     torch = pytest.importorskip("torch")
-    from actcfg.verify.factory import build as _build, split_inputs as _split_inputs
+    from actcfg.runtime.step import split_inputs as _split_inputs
+    from actcfg.verification.factory import build as _build
 
     x = torch.ones(2, 3)
 
@@ -513,32 +514,32 @@ def test_the_factory_contract():
     with pytest.raises(VerifyError, match=r"^the model factory returned a str as the model, not a "
                                           r"torch.nn.Module$"):
         _build(lambda: ("model", x))
-    with pytest.raises(VerifyError, match=r"^example inputs are a int: give a tensor"):
+    with pytest.raises(ActcfgError, match=r"^example inputs are a int: give a tensor"):
         _split_inputs(3)
 
 
 def _handle(torch, model, *, checkpointed=(), groups=None, engine=None, mp_size=None):
     """The runtime's own handle, with the reports `apply` would have recorded."""
-    from actcfg.reports import CheckpointReport, DeepSpeedReport, OffloadReport
-    from actcfg.runtime import AppliedPolicy
-    from actcfg.schema import Backend
+    from actcfg.runtime.reports import CheckpointReport, DeepSpeedReport, OffloadReport
+    from actcfg.runtime.handle import AppliedPolicy
+    from actcfg.policy.schema import Backend
 
     handle = AppliedPolicy(model, OFFLOAD, Backend.TORCH)
     if checkpointed:
         handle.set_checkpoint(CheckpointReport("full", "torch.utils.checkpoint.checkpoint",
                                                tuple(checkpointed), 1, False, None))
     if groups is not None:
-        handle.set_offload(OffloadReport("actcfg.offload.OffloadEngine", "all_saved", True, None,
+        handle.set_offload(OffloadReport("actcfg.runtime.offload.OffloadEngine", "all_saved", True, None,
                                          1, "cuda:0", tuple(groups), "top-level children of the model"))
     if mp_size is not None:
-        handle.set_deepspeed(DeepSpeedReport({}, {}, mp_size, None, ""))
+        handle.set_deepspeed(DeepSpeedReport({}, {}, mp_size, None, ""), dict)
     handle.engine = engine
     return handle
 
 
 def test_blocks_are_checkpointed_modules_else_offload_groups_else_top_level_children():
     torch = pytest.importorskip("torch")
-    from actcfg.verify.measure import _blocks
+    from actcfg.verification.measure import _blocks
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
     assert _blocks(_handle(torch, model, checkpointed=("0",), groups=("1",)), model) == ("0",)
@@ -548,8 +549,8 @@ def test_blocks_are_checkpointed_modules_else_offload_groups_else_top_level_chil
 
 def test_blocks_of_a_rules_policy_are_every_module_a_rule_took():
     torch = pytest.importorskip("torch")
-    from actcfg.runtime import apply
-    from actcfg.verify.measure import _blocks
+    from actcfg.api import apply
+    from actcfg.verification.measure import _blocks
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 2))
     with apply(model, {"version": 1, "checkpoint": {"mode": "rules", "rules": [
@@ -562,8 +563,8 @@ def test_host_bytes_are_the_engines_account_read_from_handle_engine():
     torch = pytest.importorskip("torch")
     from types import SimpleNamespace
 
-    from actcfg.offload import OffloadStats
-    from actcfg.verify.measure import _host_bytes
+    from actcfg.runtime.offload import OffloadStats
+    from actcfg.verification.measure import _host_bytes
 
     model = torch.nn.Linear(2, 2)
     engine = SimpleNamespace(stats=OffloadStats(pinned_bytes=3, pageable_bytes=4))
@@ -577,8 +578,8 @@ def test_a_handle_without_the_runtimes_attributes_is_not_guessed_at():
     torch = pytest.importorskip("torch")
     from types import SimpleNamespace
 
-    from actcfg.offload import OffloadStats
-    from actcfg.verify.measure import _blocks, _host_bytes
+    from actcfg.runtime.offload import OffloadStats
+    from actcfg.verification.measure import _blocks, _host_bytes
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
     with pytest.raises(AttributeError, match=r"'checkpointed'"):
@@ -595,7 +596,7 @@ def test_a_process_group_counts_with_its_size():
     code = (
         "import torch.distributed as dist\n"
         "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
-        "from actcfg._apply_deepspeed import as_mpu, model_parallel_size\n"
+        "from actcfg.runtime.deepspeed_applier import as_mpu, model_parallel_size\n"
         "dist.init_process_group('fake', rank=0, world_size=2, store=FakeStore())\n"
         "print(model_parallel_size(as_mpu(dist.group.WORLD)), model_parallel_size(as_mpu(None)))\n"
         "dist.destroy_process_group()\n"
@@ -606,14 +607,14 @@ def test_a_process_group_counts_with_its_size():
 
 def test_mp_size_is_what_deepspeed_read_back_after_configure():
     torch = pytest.importorskip("torch")
-    from actcfg.verify.measure import _mp_size
+    from actcfg.verification.measure import _mp_size
 
     assert _mp_size(_handle(torch, torch.nn.Linear(2, 2), mp_size=4)) == 4
     assert _mp_size(_handle(torch, torch.nn.Linear(2, 2))) == 1
 
 
 def test_an_mpu_deepspeed_cannot_read_is_refused():
-    from actcfg._apply_deepspeed import model_parallel_size
+    from actcfg.runtime.deepspeed_applier import model_parallel_size
     from actcfg.errors import PolicyApplyError
 
     with pytest.raises(PolicyApplyError, match=r"^mpu='object' has neither get_tensor_model_par"):
@@ -625,7 +626,7 @@ def test_an_mpu_deepspeed_cannot_read_is_refused():
 
 def _dropout_steps(torch, steps: int) -> list:
     """What a train-mode Dropout draws in each step of one run, seeded as _measure seeds it."""
-    from actcfg.verify.measure import _seed_step
+    from actcfg.verification.measure import _seed_step
 
     drop = torch.nn.Dropout(0.5).train()
     masks = []
@@ -648,7 +649,7 @@ def test_the_plain_and_policy_runs_draw_the_same_dropout_masks_step_by_step():
 
 def test_the_seeded_runs_put_the_callers_rng_state_back():
     torch = pytest.importorskip("torch")
-    from actcfg.verify.measure import _caller_rng_kept, _seed_step
+    from actcfg.verification.measure import _caller_rng_kept, _seed_step
 
     torch.manual_seed(99)
     before = torch.get_rng_state()
@@ -674,7 +675,7 @@ def _pair(torch):
 
 def test_grad_diffs_are_max_abs_error_over_max_abs_plain():
     torch = pytest.importorskip("torch")
-    from actcfg.verify.measure import _grad_diffs
+    from actcfg.verification.measure import _grad_diffs
 
     a, b = _pair(torch)
     b[0].weight.grad[0, 0] += 8.0  # plain max |g| of 0.weight is 16
@@ -689,7 +690,7 @@ def test_grad_diffs_are_max_abs_error_over_max_abs_plain():
 
 def test_equal_gradients_have_zero_error():
     torch = pytest.importorskip("torch")
-    from actcfg.verify.measure import _grad_diffs
+    from actcfg.verification.measure import _grad_diffs
 
     a, b = _pair(torch)
     assert [g.error for g in _grad_diffs(a, b)] == [0.0, 0.0, 0.0]
@@ -697,7 +698,7 @@ def test_equal_gradients_have_zero_error():
 
 def test_dtype_is_the_loosest_of_parameters_and_inputs():
     torch = pytest.importorskip("torch")
-    from actcfg.verify.measure import _loosest_dtype
+    from actcfg.verification.measure import _loosest_dtype
 
     model = torch.nn.Linear(2, 2)
     assert _loosest_dtype(model, ((torch.ones(2),), {})) == "float32"
@@ -707,7 +708,7 @@ def test_dtype_is_the_loosest_of_parameters_and_inputs():
 
 def test_default_loss_is_nonlinear_in_the_output():
     torch = pytest.importorskip("torch")
-    from actcfg.verify.measure import default_loss
+    from actcfg.runtime.step import default_loss
 
     out = torch.tensor([1.0, -2.0], dtype=torch.float16)
     loss = default_loss((out, "aux"))
@@ -739,7 +740,7 @@ def test_verify_refuses_an_unknown_backend_with_the_choices():
 
 
 def test_judging_and_rendering_import_no_torch():
-    code = ("import sys, actcfg.verify, actcfg.verify.render, actcfg.verify.judge, actcfg.verify.report; "
+    code = ("import sys, actcfg.verification, actcfg.verification.render, actcfg.verification.judge, actcfg.verification.report; "
             "print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout == "False\n"
@@ -754,7 +755,7 @@ BAD_MODE = str(ROOT / "tests" / "data" / "invalid" / "bad-mode.yaml")
 @pytest.fixture
 def measured_as(monkeypatch):
     """Replace the GPU measurement (only it) with a synthetic report, to pin the CLI's mapping."""
-    import actcfg.verify as module
+    import actcfg.verification as module
 
     def use(rep: VerifyReport) -> list[dict]:
         calls: list[dict] = []

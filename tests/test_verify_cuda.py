@@ -17,8 +17,8 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from actcfg.verify import Verdict, VerifyReport, verify  # noqa: E402
-from actcfg.verify.render import render_text  # noqa: E402
+from actcfg.verification import Verdict, VerifyReport, verify  # noqa: E402
+from actcfg.verification.render import render_text  # noqa: E402
 
 try:
     from tests._deepspeed_env import ds_env  # noqa: F401 (a fixture)
@@ -128,7 +128,7 @@ NOT_OFFLOADED = re.compile(
 
 def test_an_apply_that_drops_cpu_checkpointing_fails_the_offload_promise():
     # The seed bug: the translator lost cpu_checkpointing; the report checks the original.
-    from actcfg.runtime import apply
+    from actcfg.api import apply
 
     def dropping(model, policy, **kwargs):
         return apply(model, policy.model_copy(update={"cpu_checkpointing": False}), **kwargs)
@@ -145,7 +145,7 @@ def test_deepspeed_configured_but_not_routed_fails_the_offload_promise(ds_env):
     # DeepSpeed's JSON section (or configure()) does nothing unless modules route through
     # deepspeed.checkpointing.checkpoint (BACKENDS.md 1.3): configure exactly as actcfg would,
     # route nothing.
-    from actcfg.translate import to_deepspeed
+    from actcfg.translators import to_deepspeed
 
     def configure_only(model, policy, *, backend=None, mpu=None):
         ds_env.configure(None, **to_deepspeed(policy)["configure_kwargs"])
@@ -201,7 +201,7 @@ def residual_stack():
 def test_a_residual_reusing_a_deepspeed_emptied_input_fails_the_gradient_promise(ds_env):
     # BACKENDS.md 1.4: after checkpoint() returns, DeepSpeed's cpu path has replaced the input's
     # data with torch.empty([]); `h + ...` broadcasts that garbage scalar without an error.
-    from actcfg.translate import to_deepspeed
+    from actcfg.translators import to_deepspeed
 
     def route_by_hand(model, policy, *, backend=None, mpu=None):
         ds_env.configure(None, **to_deepspeed(policy)["configure_kwargs"])

@@ -11,7 +11,7 @@ CHECKPOINT_API = "torch.utils.checkpoint.checkpoint"
 """The function that checkpoints each selected module, in every mode: it keeps module,
 parameter and state_dict names, composes with FSDP2 and torch.compile (dynamo traces it as a
 higher-order op), and takes `use_reentrant` and `context_fn`."""
-OFFLOAD_ENGINE = "actcfg.offload.OffloadEngine"
+OFFLOAD_ENGINE = "actcfg.runtime.offload.OffloadEngine"
 """What offloads saved activations: saved-tensor hooks with grouped side-stream copies."""
 PLANNER = "actcfg.plan"
 """What turns `checkpoint.mode: auto` into per-module rules: a profile of one training step,

@@ -14,8 +14,8 @@ from actcfg.backends import Backend
 from actcfg.backends.deepspeed import SECTION, TABLE
 from actcfg.backends.table import Key
 from actcfg.errors import PolicyApplyError, TranslationError
-from actcfg.schema import Policy
-from actcfg.translate import to_deepspeed
+from actcfg.policy.schema import Policy
+from actcfg.translators import to_deepspeed
 
 __all__ = [
     "EXTERNAL_FIX",

@@ -45,7 +45,7 @@ from actcfg.integrations._guards import (
     refuse_no_recompute,
     refuse_stacked,
 )
-from actcfg.schema import Policy
+from actcfg.policy.schema import Policy
 
 __all__ = ["ActivationPolicy"]
 

@@ -17,8 +17,8 @@ from actcfg.plan.solve import Plan, predict, smallest_peak, solve
 from actcfg.plan.write import policy_text
 
 if TYPE_CHECKING:
-    from actcfg.reports import PlanReport
-    from actcfg.schema import Policy
+    from actcfg.runtime.reports import PlanReport
+    from actcfg.policy.schema import Policy
 
 __all__ = [
     "CHOICES",
@@ -51,11 +51,11 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
                origin: str = "") -> Planned:
     """Profile `model` on `inputs`, solve for `policy.memory_budget`, and return the plan as a
     `checkpoint.mode: rules` policy with the report of what was planned. `apply` is
-    `actcfg.runtime.apply` (passed in: the runtime sits above this package); `origin` names the
+    the runtime's applier of a concrete policy (passed in by `actcfg.api`); `origin` names the
     policy file in the written plan's header. PlanError when no plan fits."""
-    from actcfg.checker import load
+    from actcfg.policy.checker import load
     from actcfg.plan.profile import profile as run_profile
-    from actcfg.reports import PlanReport
+    from actcfg.runtime.reports import PlanReport
 
     profiled = run_profile(model, policy.checkpoint.modules, inputs, loss_fn=loss_fn, apply=apply,
                            pin=policy.pin, pin_budget=policy.pin_budget)

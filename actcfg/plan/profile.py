@@ -33,14 +33,14 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from actcfg._apply_torch import resolve_ops
-from actcfg._wrap import select_modules
-from actcfg.errors import PlanError, VerifyError
-from actcfg.offload import OffloadWarning, loopback_enabled
+from actcfg.runtime.torch_applier import resolve_ops
+from actcfg.runtime.wrap import select_modules
+from actcfg.errors import ActcfgError, PlanError
+from actcfg.runtime.offload import OffloadWarning, loopback_enabled
 from actcfg.plan.model import CHOICES, COUNTERPART, OFFLOADS, RULE_OF, BlockProfile, Option, Profile
 from actcfg.plan.solve import predict
-from actcfg.schema import DEFAULT_SAVE_OPS
-from actcfg.verify.factory import split_inputs
+from actcfg.policy.schema import DEFAULT_SAVE_OPS
+from actcfg.runtime.step import split_inputs
 
 __all__ = ["copy_bandwidth", "default_loss", "measure_steps", "profile", "saved_bytes"]
 
@@ -65,7 +65,7 @@ def _split(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """`verify`'s reading of example inputs (the same contract), refused as a PlanError."""
     try:
         return split_inputs(inputs)
-    except VerifyError as e:
+    except ActcfgError as e:
         raise PlanError(str(e)) from e
 
 
@@ -509,7 +509,7 @@ def profile(
     choices: Sequence[str] | None = None,
 ) -> Profile:
     """Profile one training step of `model` on `inputs` per candidate (`modules`: fnmatch
-    patterns) under each choice; `apply` is `actcfg.runtime.apply`. Everything the runs change
+    patterns) under each choice; `apply` applies a concrete policy (`actcfg.api` passes it). Everything the runs change
     is put back; PlanError when a candidate is never called or the plain step cannot be run."""
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
     meter = _Meter(device)

@@ -11,7 +11,7 @@ from typing import Any
 
 from actcfg.plan.model import OFFLOADS, RULE_OF, Profile
 from actcfg.plan.solve import Plan
-from actcfg.schema import format_size
+from actcfg.policy.schema import format_size
 
 __all__ = ["policy_text"]
 

@@ -11,8 +11,8 @@ from typing import Any
 from actcfg.backends import Backend
 from actcfg.backends.hf import ARGUMENT, KWARGS, OLD_NAMES, TABLE
 from actcfg.backends.table import MISSING, Key, field_value
-from actcfg.schema import Policy
-from actcfg.translate._refuse import refuse_inexpressible
+from actcfg.policy.schema import Policy
+from actcfg.translators._refuse import refuse_inexpressible
 
 __all__ = ["to_hf"]
 

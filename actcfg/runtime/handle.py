@@ -1,27 +1,17 @@
-"""Put a policy into effect on a model: `apply(model, cfg)` and the handle it returns.
+"""The handle `apply` returns: what was applied (frozen reports), what it did since (counters),
+and the `UndoStack` that `remove()` runs.
 
-`apply` is the one entry point. It dispatches on the backend to one of `APPLIERS`, which never
-change a module, parameter or state_dict name (the torch applier executes the translated
-`WrapPlan`; the DeepSpeed applier configures DeepSpeed and routes modules through its
-checkpoint). Everything an applier does is pushed on the handle's `UndoStack`, run in reverse
-by `AppliedPolicy.remove()` (and by `apply` itself if it fails half-way). What was applied is
-in frozen reports, and what it does at run time in counters (`AppliedPolicy.report()`).
+It sits below every applier, the offload engine and the planner, so each of them names its type.
 """
 
 from __future__ import annotations
 
-import importlib
-import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
-from actcfg._apply_deepspeed import apply_deepspeed, current_state, mpu_from_group
-from actcfg._apply_torch import apply_torch, block_groups, resolve_ops
-from actcfg._wrap import APPLIED, WRAPPED, Marker, select_modules
 from actcfg.errors import PolicyApplyError
-from actcfg.reports import (
+from actcfg.policy.schema import Backend, Policy, format_size
+from actcfg.runtime.reports import (
     CheckpointCounters,
     CheckpointReport,
     DeepSpeedReport,
@@ -29,28 +19,13 @@ from actcfg.reports import (
     PlanReport,
     RuleReport,
 )
-from actcfg.schema import Backend, Policy, format_size
 
-__all__ = [
-    "APPLIERS",
-    "AppliedPolicy",
-    "UndoStack",
-    "apply",
-    "block_groups",
-    "mpu_from_group",
-    "resolve_ops",
-    "select_modules",
-]
+if TYPE_CHECKING:
+    from torch import nn
 
-log = logging.getLogger("actcfg")
+    from actcfg.runtime.offload import OffloadEngine
 
-Applier = Callable[[nn.Module, Policy, "AppliedPolicy", Any], None]
-
-APPLIERS: dict[Backend, Applier] = {
-    Backend.TORCH: apply_torch,
-    Backend.DEEPSPEED: apply_deepspeed,
-}
-"""The one place a backend maps to the code that applies it (`Backend.spec.runs` says which)."""
+__all__ = ["AppliedPolicy", "UndoStack"]
 
 
 class UndoStack:
@@ -93,7 +68,7 @@ class AppliedPolicy:
         self.offload: OffloadReport | None = None
         self.deepspeed: DeepSpeedReport | None = None
         self.engine: Any = None
-        """The `actcfg.offload.OffloadEngine`, when actcfg offloads (torch backend)."""
+        """The `actcfg.runtime.offload.OffloadEngine`, when actcfg offloads (torch backend)."""
         self.rules: tuple[RuleReport, ...] | None = None
         """With `checkpoint.mode: rules` (or a plan): each rule and the modules it took."""
         self.rule_counters: tuple[CheckpointCounters, ...] = ()
@@ -102,6 +77,7 @@ class AppliedPolicy:
         """With `checkpoint.mode: auto`: what was planned and predicted."""
         self.offload_group_names: dict[int, str] = {}
         """Offload group index -> the module that opened it, in the last step."""
+        self._read_deepspeed: Callable[[], dict[str, Any]] | None = None
         self._removed = False
 
     # Appliers record what they did once; a second record is a bug, not a policy.
@@ -144,10 +120,12 @@ class AppliedPolicy:
                 for i, name in sorted(self.offload_group_names.items())
                 if i < len(st.group_offloaded_bytes)]
 
-    def set_deepspeed(self, report: DeepSpeedReport) -> None:
-        """Record DeepSpeed's configuration as read back."""
+    def set_deepspeed(self, report: DeepSpeedReport,
+                      read_back: Callable[[], dict[str, Any]]) -> None:
+        """Record DeepSpeed's configuration as read back, and how to read it again."""
         assert self.deepspeed is None
         self.deepspeed = report
+        self._read_deepspeed = read_back
 
     @property
     def checkpointed(self) -> tuple[str, ...]:
@@ -163,7 +141,7 @@ class AppliedPolicy:
         """DeepSpeed's activation-checkpointing settings read back now, by configure() keyword
         (None for the torch backend): equal to `deepspeed.configure_kwargs` unless something
         called deepspeed.checkpointing.configure after apply."""
-        return None if self.deepspeed is None else current_state()
+        return None if self._read_deepspeed is None else self._read_deepspeed()
 
     @property
     def removed(self) -> bool:
@@ -248,96 +226,3 @@ class AppliedPolicy:
 def _short_list(names: tuple[str, ...], limit: int = 3) -> str:
     shown = ", ".join(n or "<root>" for n in names[:limit])
     return shown + (f", ... {len(names) - limit} more" if len(names) > limit else "")
-
-
-# --- the entry point ---------------------------------------------------------------------
-
-
-def apply(model: nn.Module, cfg: Any, *, backend: Backend | str | None = None,
-          mpu: Any = None, inputs: Any = None, loss_fn: Callable[[Any], Any] | None = None) -> AppliedPolicy:
-    """Put the policy `cfg` (path, YAML string, dict or Policy) into effect on `model`.
-
-    With `checkpoint.mode: auto`, `inputs` (a batch as the model takes it: a tensor, a tuple of
-    positional arguments or a dict of keyword arguments) is needed: one training step is
-    profiled with it right here (`loss_fn(output)` -> scalar; default: the output's `loss`, else
-    the sum of squares of its first tensor), the fastest per-module plan whose predicted peak
-    fits `memory_budget` is chosen, logged in one line, and applied (`handle.plan` says what was
-    planned and predicted).
-    """
-    from actcfg.checker import load
-
-    if not isinstance(model, nn.Module):
-        raise PolicyApplyError(f"apply() needs a torch.nn.Module, got {type(model).__name__}")
-    chosen = None if backend is None else _runtime_backend(backend)
-    policy = load(cfg, backends=() if chosen is None else (chosen,))
-    chosen = chosen or policy.backend
-    _refuse_if_applied(model)
-    applied = policy
-    plan: PlanReport | None = None
-    if policy.checkpoint.mode == "auto":
-        if inputs is None:
-            raise PolicyApplyError(
-                "checkpoint.mode auto plans from a profile of one training step, and apply() got "
-                "no example inputs: pass inputs= (a batch, as the model takes it) to plan here, or "
-                "write the plan with `actcfg plan CONFIG --model pkg.module:factory -o plan.yaml` "
-                "and apply that file")
-        if mpu is not None:
-            raise PolicyApplyError("mpu= is for the deepspeed backend; a plan runs on torch "
-                                   "(remove mpu=)")
-        from actcfg.plan import plan_model
-
-        planned = plan_model(model, policy, inputs, loss_fn=loss_fn, apply=apply)
-        applied, plan = planned.policy, planned.report
-        log.info(plan.summary())
-    elif inputs is not None or loss_fn is not None:
-        raise PolicyApplyError(
-            f"inputs= and loss_fn= are for checkpoint.mode auto (they profile a step to plan "
-            f"from), and this policy's mode is {policy.checkpoint.mode}: remove them")
-    handle = AppliedPolicy(model, policy, chosen)
-    if plan is not None:
-        handle.set_plan(plan)
-    try:
-        APPLIERS[chosen](model, applied, handle, mpu)
-        model.__dict__[APPLIED] = Marker(handle.summary())
-        handle.undo.push(lambda: model.__dict__.pop(APPLIED, None))
-    except BaseException:
-        handle.remove()
-        raise
-    log.info(handle.summary())
-    return handle
-
-
-def _runtime_backend(value: Backend | str) -> Backend:
-    chosen = Backend.parse(value)
-    if chosen not in APPLIERS:
-        raise PolicyApplyError(
-            f"backend={chosen.value!r} is a translation target, not a runtime: actcfg.apply runs "
-            + " or ".join(repr(b.value) for b in APPLIERS)
-            + f" (`actcfg translate --backend {chosen.value}` prints its names)")
-    return chosen
-
-
-def _refuse_if_applied(model: nn.Module) -> None:
-    for name, module in model.named_modules():
-        where = f"`{name}`" if name else "the model"
-        carried = module.__dict__.get(APPLIED) or module.__dict__.get(WRAPPED)
-        if carried:
-            raise PolicyApplyError(
-                f"{where} already carries an actcfg policy ({carried}); "
-                "call remove() on the handle apply() returned before applying again "
-                "(a copy.deepcopy of an applied model carries the policy with it)"
-            )
-        if "checkpoint" in _composable_registry(module):
-            raise PolicyApplyError(
-                f"{where} is already checkpointed by torch.distributed._composable.checkpoint; "
-                "actcfg would checkpoint it twice: remove that call, or do not apply a policy"
-            )
-
-
-def _composable_registry(module: nn.Module) -> dict[str, Any]:
-    """The composable APIs applied to `module`, by name (empty where torch has none)."""
-    try:
-        contract = importlib.import_module("torch.distributed._composable.contract")
-        return dict(contract._get_registry(module) or {})
-    except (ImportError, AttributeError):
-        return {}

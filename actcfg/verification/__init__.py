@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from actcfg.verify.factory import DEFAULT_MODEL, load_factory
-from actcfg.verify.judge import FLAT_FRACTION, MIN_BLOCKS, PARTITION_SLACK, judge, judge_ranks
-from actcfg.verify.report import (
+from actcfg.verification.factory import DEFAULT_MODEL, load_factory
+from actcfg.verification.judge import FLAT_FRACTION, MIN_BLOCKS, PARTITION_SLACK, judge, judge_ranks
+from actcfg.verification.report import (
     GRAD_TOLERANCE,
     GradDiff,
     Measurements,
@@ -45,13 +45,13 @@ __all__ = [
 
 def verify(model_factory: Any, cfg: Any, **kwargs: Any) -> VerifyReport:
     """Run the model plain and with the policy; judge each promise (see `measure.verify`)."""
-    from actcfg.verify.measure import verify as run
+    from actcfg.verification.measure import verify as run
 
     return run(model_factory, cfg, **kwargs)
 
 
 def require_cuda() -> None:
     """Raise VerifyError unless torch is installed and sees a CUDA GPU."""
-    from actcfg.verify.measure import require_cuda as check
+    from actcfg.verification.measure import require_cuda as check
 
     check()

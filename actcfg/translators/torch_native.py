@@ -15,8 +15,8 @@ from typing import Any, Literal
 from actcfg.backends import Backend
 from actcfg.backends.table import MISSING, Key, field_value
 from actcfg.backends.torch import CHECKPOINT_API, OFFLOAD_ENGINE, PLANNER, TABLE
-from actcfg.schema import DEFAULT_SAVE_OPS, Policy
-from actcfg.translate._refuse import refuse_inexpressible
+from actcfg.policy.schema import DEFAULT_SAVE_OPS, Policy
+from actcfg.translators._refuse import refuse_inexpressible
 
 __all__ = [
     "CHECKPOINT_API",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
-from actcfg.schema import (
+from actcfg.policy.schema import (
     AutoCheckpoint,
     ExternalCheckpoint,
     FullCheckpoint,

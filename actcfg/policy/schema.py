@@ -31,7 +31,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from actcfg._descriptions import DESCRIPTIONS as _DOC
+from actcfg.policy._descriptions import DESCRIPTIONS as _DOC
 from actcfg.backends import BACKENDS, RUNTIME_BACKENDS, Backend
 from actcfg.backends.table import Finding, findings
 

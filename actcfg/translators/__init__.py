@@ -8,12 +8,12 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from actcfg.backends import Backend
-from actcfg.schema import Policy
-from actcfg.translate.deepspeed import to_deepspeed
-from actcfg.translate.ds_config import ImportResult, import_ds_config, merge_ds_config
-from actcfg.translate.hf import to_hf
-from actcfg.translate.lightning import to_lightning
-from actcfg.translate.torch_native import (
+from actcfg.policy.schema import Policy
+from actcfg.translators.deepspeed import to_deepspeed
+from actcfg.translators.ds_config import ImportResult, import_ds_config, merge_ds_config
+from actcfg.translators.hf import to_hf
+from actcfg.translators.lightning import to_lightning
+from actcfg.translators.torch_native import (
     CheckpointPlan,
     ExternalCheckpointPlan,
     OffloadPlan,

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from actcfg.loader import (
+from actcfg.policy.loader import (
     MAX_DEPTH,
     Document,
     LoadFailure,
@@ -313,7 +313,7 @@ def _too_complex(text: str, e: _TooComplex) -> LoadFailure:
 def read_config(path: str | os.PathLike[str]) -> JsonDocument | Document:
     """Read the config file at `path`: YAML 1.1 for `.yml`/`.yaml` (gpt-neox), JSON or hjson
     otherwise. Raises `LoadFailure`."""
-    from actcfg.loader import parse_document
+    from actcfg.policy.loader import parse_document
 
     import codecs
     import dataclasses

@@ -11,8 +11,8 @@ from typing import Any
 from actcfg.backends import Backend
 from actcfg.backends.deepspeed import CHECKPOINT_FUNCTION, SECTION, TABLE
 from actcfg.backends.table import Key, field_value
-from actcfg.schema import Policy
-from actcfg.translate._refuse import refuse_inexpressible
+from actcfg.policy.schema import Policy
+from actcfg.translators._refuse import refuse_inexpressible
 
 __all__ = ["CHECKPOINT_FUNCTION", "FILL_IN", "NUM_CHECKPOINTS_FROM_ROUTE", "SECTION", "to_deepspeed"]
 

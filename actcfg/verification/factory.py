@@ -8,7 +8,7 @@ Inputs are a tensor, a tuple or list of positional arguments, or a dict of keywo
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from actcfg.errors import VerifyError
@@ -16,7 +16,7 @@ from actcfg.errors import VerifyError
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["DEFAULT_MODEL", "build", "load_factory", "split_inputs"]
+__all__ = ["DEFAULT_MODEL", "build", "load_factory"]
 
 DEFAULT_MODEL = "actcfg.probes:linear_chain"
 """The factory `actcfg verify` uses without `--model`: the seed report's Linear chain."""
@@ -62,16 +62,3 @@ def build(factory: Callable[[], Any]) -> tuple[nn.Module, Any]:
         raise VerifyError(f"the model factory returned a {type(model).__name__} as the model, "
                           "not a torch.nn.Module")
     return model, inputs
-
-
-def split_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    import torch
-
-    if isinstance(inputs, torch.Tensor):
-        return (inputs,), {}
-    if isinstance(inputs, (tuple, list)):
-        return tuple(inputs), {}
-    if isinstance(inputs, Mapping):
-        return (), dict(inputs)
-    raise VerifyError(f"example inputs are a {type(inputs).__name__}: give a tensor, a tuple of "
-                      "positional arguments or a dict of keyword arguments")

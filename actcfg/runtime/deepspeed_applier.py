@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from actcfg._wrap import (
+from actcfg.runtime.wrap import (
     call_inner,
     call_with_flat_tensors,
     class_name,
@@ -25,8 +25,9 @@ from actcfg._wrap import (
     select_modules,
 )
 from actcfg.errors import PolicyApplyError, TranslationError
-from actcfg.reports import CheckpointCounters, CheckpointReport, DeepSpeedReport
-from actcfg.schema import Policy
+from actcfg.runtime.handle import AppliedPolicy
+from actcfg.runtime.reports import CheckpointCounters, CheckpointReport, DeepSpeedReport
+from actcfg.policy.schema import Policy
 
 __all__ = ["apply_deepspeed", "as_mpu", "current_state", "fresh_alias", "model_parallel_size",
            "mpu_from_group", "read_back"]
@@ -70,7 +71,7 @@ def model_parallel_size(mpu: Any) -> int:
     raise PolicyApplyError(
         f"mpu={type(mpu).__name__!r} has neither get_tensor_model_parallel_rank/world_size/group "
         "nor get_model_parallel_rank/world_size/group, which DeepSpeed reads; pass DeepSpeed's "
-        "mpu object, or actcfg.runtime.mpu_from_group(process_group)"
+        "mpu object, or actcfg.api.mpu_from_group(process_group)"
     )
 
 
@@ -95,9 +96,9 @@ def as_mpu(mpu: Any) -> Any:
     return mpu
 
 
-def apply_deepspeed(model: nn.Module, policy: Policy, handle: Any, mpu: Any) -> None:
+def apply_deepspeed(model: nn.Module, policy: Policy, handle: AppliedPolicy, mpu: Any) -> None:
     """Configure DeepSpeed for `policy`, verify its state and route the selected modules."""
-    from actcfg.translate import to_deepspeed
+    from actcfg.translators import to_deepspeed
 
     ckpt = _deepspeed()
     try:
@@ -202,7 +203,7 @@ def apply_deepspeed(model: nn.Module, policy: Policy, handle: Any, mpu: Any) -> 
         mp_size=int(ckpt.mp_size),
         mpu=None if mpu is None else repr(mpu),
         input_guard="checkpointed modules receive fresh aliases of their tensor inputs",
-    ))
+    ), current_state)
 
 
 def current_state() -> dict[str, Any]:

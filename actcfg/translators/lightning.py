@@ -13,8 +13,8 @@ from actcfg.backends import Backend
 from actcfg.backends.deepspeed import CHECKPOINT_FUNCTION, SECTION
 from actcfg.backends.lightning import CONFIG_SECTION, TABLE
 from actcfg.backends.table import Key, field_value
-from actcfg.schema import Policy
-from actcfg.translate._refuse import refuse_inexpressible
+from actcfg.policy.schema import Policy
+from actcfg.translators._refuse import refuse_inexpressible
 
 __all__ = ["to_lightning"]
 

@@ -3,7 +3,7 @@
 Under torch.distributed with more than one rank (torchrun), each rank measures its own GPU
 (`measure_here`), the ranks exchange their plain-data measurements (`gather_ranks`), and every
 rank judges all of them alike, so all ranks reach the same verdict. Torch is imported inside the
-functions, so `import actcfg.verify` stays light. Library code: nothing here prints or exits,
+functions, so `import actcfg.verification` stays light. Library code: nothing here prints or exits,
 and no process group is started here (the CLI does that).
 """
 
@@ -17,20 +17,19 @@ from typing import TYPE_CHECKING, Any
 
 from actcfg.backends import Backend
 from actcfg.errors import ActcfgError, VerifyError
-from actcfg.verify.factory import build, split_inputs
-from actcfg.verify.judge import judge_ranks
-from actcfg.verify.report import GradDiff, Measurements, RunMeasurement, VerifyReport
+from actcfg.verification.factory import build
+from actcfg.verification.judge import judge_ranks
+from actcfg.verification.report import GradDiff, Measurements, RunMeasurement, VerifyReport
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from actcfg.schema import Policy
+    from actcfg.policy.schema import Policy
 
 __all__ = [
     "BUILD_SEED",
     "STEP_SEED",
-    "default_loss",
     "gather_ranks",
     "measure_here",
     "require_cuda",
@@ -72,18 +71,6 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, Mapping):
         return [t for v in value.values() for t in _tensors(v)]
     return []
-
-
-def default_loss(output: Any) -> torch.Tensor:
-    """Sum of squares of the first output tensor, in fp32.
-
-    Nonlinear on purpose: with a linear loss the gradients do not depend on the output's
-    values, and a forward that read a DeepSpeed-emptied input (BACKENDS 1.4) would pass.
-    """
-    tensors = _tensors(output)
-    if not tensors:
-        raise VerifyError("the model returned no tensor: pass loss_fn= to verify()")
-    return tensors[0].float().square().sum()
 
 
 # --- measurement (torch, CUDA) ----------------------------------------------------------------
@@ -341,7 +328,7 @@ def measure_here(
     """This process's measurements of the model plain and under `policy` on its current CUDA
     device, not judged (`verify` takes the parameters' meaning)."""
     if apply is None:
-        from actcfg.runtime import apply as default_apply
+        from actcfg.api import apply as default_apply
 
         apply = default_apply
 
@@ -354,7 +341,14 @@ def measure_here(
         if any(t.device.type != "cuda" for t in [*model.parameters(), *model.buffers()]):
             model.cuda()
     ours.load_state_dict(plain.state_dict())
-    args, kwargs = split_inputs(example if inputs is None else inputs)
+    from actcfg.runtime.step import default_loss, split_inputs
+
+    try:
+        args, kwargs = split_inputs(example if inputs is None else inputs)
+    except VerifyError:
+        raise
+    except ActcfgError as e:
+        raise VerifyError(str(e)) from e
     loss = loss_fn or default_loss
 
     handle = apply(ours, policy, backend=backend, mpu=mpu)
@@ -411,8 +405,8 @@ def verify(
 
     `cfg` is anything `actcfg.load` takes. `inputs` overrides the factory's example inputs;
     `loss_fn(output) -> scalar` defaults to the fp32 sum of squares of the first output.
-    `apply` replaces `actcfg.runtime.apply` (tests inject broken ones); what it returns must
-    have the `actcfg.runtime.AppliedPolicy` attributes verify reads: `checkpointed`, `offload`,
+    `apply` replaces `actcfg.apply` (tests inject broken ones); what it returns must
+    have the `actcfg.AppliedPolicy` attributes verify reads: `checkpointed`, `offload`,
     `engine`, `deepspeed`, `counters` and `remove()`. Raises VerifyError without a CUDA GPU:
     what is measured is GPU memory. A DeepSpeed policy needs torch.distributed initialised
     (the CLI starts a one-process group when no launcher did).
@@ -424,7 +418,7 @@ def verify(
     weights and inputs, as tensor-parallel ranks do; for `partition`, pass the model-parallel
     group as `mpu=`.
     """
-    from actcfg.checker import load
+    from actcfg.policy.checker import load
 
     if steps < 1:
         raise VerifyError(f"steps must be at least 1, got {steps}")

@@ -27,8 +27,8 @@ from actcfg.backends import Backend
 from actcfg.backends.deepspeed import SECTION, TABLE
 from actcfg.backends.table import Key
 from actcfg.errors import TranslationError
-from actcfg.schema import MODULES_PLACEHOLDER, Finding, Policy, check_rules
-from actcfg.suggest import FOREIGN_NAMES
+from actcfg.policy.schema import MODULES_PLACEHOLDER, Finding, Policy, check_rules
+from actcfg.policy.suggest import FOREIGN_NAMES
 
 __all__ = [
     "ALIASES",

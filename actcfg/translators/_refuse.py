@@ -5,7 +5,7 @@ from __future__ import annotations
 from actcfg.backends import Backend
 from actcfg.backends.table import Finding, field_value, findings
 from actcfg.errors import TranslationError
-from actcfg.schema import Policy
+from actcfg.policy.schema import Policy
 
 __all__ = ["refuse_inexpressible"]
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from actcfg.schema import Policy
+from actcfg.policy.schema import Policy
 
 __all__ = [
     "GRAD_TOLERANCE",

@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Callable
 
 from actcfg.errors import VerifyError
-from actcfg.verify.report import (
+from actcfg.verification.report import (
     Measurements,
     VerifyReport,
     growth_per_block,

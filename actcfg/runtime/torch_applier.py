@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from actcfg._wrap import (
+from actcfg.runtime.wrap import (
     NotPicklable,
     call_inner,
     call_with_flat_tensors,
@@ -32,17 +32,18 @@ from actcfg._wrap import (
 )
 from actcfg.backends.torch import CHECKPOINT_API
 from actcfg.errors import PolicyApplyError, TranslationError
-from actcfg.offload import OffloadEngine, loopback_enabled
-from actcfg.reports import CheckpointCounters, CheckpointReport, OffloadReport, RuleReport
-from actcfg.schema import Policy
-from actcfg.translate import CheckpointPlan, OffloadPlan, PlanRequest, RulesPlan, to_torch_native
+from actcfg.runtime.offload import OffloadEngine, loopback_enabled
+from actcfg.runtime.handle import AppliedPolicy
+from actcfg.runtime.reports import CheckpointCounters, CheckpointReport, OffloadReport, RuleReport
+from actcfg.policy.schema import Policy
+from actcfg.translators import CheckpointPlan, OffloadPlan, PlanRequest, RulesPlan, to_torch_native
 
 __all__ = ["apply_torch", "block_groups", "resolve_ops"]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
 
 
-def apply_torch(model: nn.Module, policy: Policy, handle: Any, mpu: Any) -> None:
+def apply_torch(model: nn.Module, policy: Policy, handle: AppliedPolicy, mpu: Any) -> None:
     """Put `policy` into effect on `model` with torch's checkpoint and actcfg's offload engine."""
     if mpu is not None:
         raise PolicyApplyError("mpu= is for the deepspeed backend; the torch backend "
@@ -159,7 +160,7 @@ class _Checkpointed:
 
 
 def _apply_rules(model: nn.Module, policy: Policy, plan: RulesPlan, offload: OffloadPlan | None,
-                 handle: Any, device: torch.device | None) -> None:
+                 handle: AppliedPolicy, device: torch.device | None) -> None:
     """Each module its rule: checkpointed through the rule's function and kwargs, and, when a
     rule offloads, an offload group at every module a rule takes."""
     rules = plan.rules
@@ -300,7 +301,7 @@ def block_groups(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], str]:
 
 
 def _apply_offload(model: nn.Module, plan: OffloadPlan, selected: list[tuple[str, nn.Module]],
-                   handle: Any, device: torch.device, offloads: list[bool] | None = None) -> None:
+                   handle: AppliedPolicy, device: torch.device, offloads: list[bool] | None = None) -> None:
     if plan.scope == "rules":
         groups, grouping = selected, (
             "the modules the rules take (moved where their rule offloads; the others, and what "

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from actcfg.errors import VerifyError
-from actcfg.schema import Policy
-from actcfg.verify.report import (
+from actcfg.policy.schema import Policy
+from actcfg.verification.report import (
     Measurements,
     Verdict,
     growth_per_block,

@@ -87,7 +87,7 @@ class OffloadReport:
 
     engine: str
     scope: str
-    """`checkpoint_inputs` or `all_saved` (see `actcfg.translate.OffloadPlan`)."""
+    """`checkpoint_inputs` or `all_saved` (see `actcfg.translators.OffloadPlan`)."""
     pin: bool
     """True when offloads go to page-locked memory."""
     pin_budget: int | None

@@ -13,10 +13,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from actcfg.diagnostics import Diagnostic
+from actcfg.policy.diagnostics import Diagnostic
 from actcfg.errors import ConfigLoadError
-from actcfg.loader import YAML11_BOOLS, Document, LoadFailure, kind_of, parse_document, read_document
-from actcfg.schema import CHECKPOINT_MODES, Backend, Finding, Policy, check_rules, user_path
+from actcfg.policy.loader import YAML11_BOOLS, Document, LoadFailure, kind_of, parse_document, read_document
+from actcfg.policy.schema import CHECKPOINT_MODES, Backend, Finding, Policy, check_rules, user_path
 
 __all__ = ["check_data", "check_file", "check_text", "failure_diagnostic", "load"]
 
@@ -121,7 +121,7 @@ def _from_error(error: Mapping[str, Any], data: Any, doc: Document | None, name:
         return []  # `modules: [~]`: the item's own error says what is wrong; the list is not empty
     if code == "unknown-key":
         # Imported here: a valid file (the common, timed case) needs neither.
-        from actcfg.suggest import keys_at, suggest
+        from actcfg.policy.suggest import keys_at, suggest
 
         parent, key = path[:-1], path[-1]
         mode = data.get("checkpoint", {}).get("mode") if isinstance(data.get("checkpoint"), dict) else None

@@ -24,8 +24,8 @@ from actcfg.backends.lightning import CONFIG_SECTION
 from actcfg.backends.lightning import TABLE as LIGHTNING_TABLE
 from actcfg.backends.table import Key, findings
 from actcfg.errors import TranslationError
-from actcfg.schema import Policy
-from actcfg.translate.ds_config import ALIASES, MODULES_PLACEHOLDER, import_ds_config
+from actcfg.policy.schema import Policy
+from actcfg.translators.ds_config import ALIASES, MODULES_PLACEHOLDER, import_ds_config
 
 __all__ = ["TrainerImport", "import_strategy_keywords", "import_training_arguments"]
 
