@@ -21,7 +21,7 @@ try:
 except ImportError:  # pytest's rootdir-relative import mode
     from _deepspeed_env import ds_env, ds_globals
 
-from actcfg import _apply_deepspeed
+from actcfg.runtime import deepspeed_applier as _apply_deepspeed
 from actcfg.errors import PolicyApplyError
 from actcfg.probes import blocks, linear_chain
 from actcfg.api import apply, mpu_from_group
