@@ -239,16 +239,15 @@ def _validate(
         out.extend(
             Diagnostic(name, p.line, p.column, p.code, "error", p.message, p.hint) for p in doc.problems
         )
+    context: dict[str, Any] = {"backends": backends}
     try:
-        policy = Policy.model_validate(data, context={"backends": backends})
+        policy = Policy.model_validate(data, context=context)
     except ValidationError as e:
         for error in e.errors(include_url=False):
             out.extend(_from_error(error, data, doc, name))
         out.sort(key=lambda d: (d.line or 0, d.column or 0))
         return None, out
-    out.extend(
-        _from_finding(f, doc, name) for f in check_rules(policy, backends) if f.severity == "warning"
-    )
+    out.extend(_from_finding(f, doc, name) for f in context.get("warnings", ()))
     out.sort(key=lambda d: (d.line or 0, d.column or 0))  # file order; stable at one position
     return (None if any(d.severity == "error" for d in out) else policy), out
 
@@ -304,9 +303,12 @@ def load(source: Any, *, at: str | None = None, backends: _Backends = ()) -> Pol
     otherwise it is a path. Raises `ConfigLoadError` listing every error.
     """
     if isinstance(source, Policy):
-        policy, diagnostics = check_data(source.model_dump(mode="json", exclude_unset=True),
-                                         "<Policy>", backends=backends)
-        policy = source if policy is not None else None
+        # Validated when it was built; only the rules of the backends asked for are new.
+        policy = source
+        diagnostics = [_from_finding(f, None, "<Policy>")
+                       for f in check_rules(source, _backends(backends)) if f.severity == "error"]
+        if diagnostics:
+            policy = None
     elif isinstance(source, dict):
         data = source
         if at:

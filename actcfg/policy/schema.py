@@ -506,7 +506,12 @@ class Policy(_Strict):
     @model_validator(mode="after")
     def _cross_field_rules(self, info: ValidationInfo) -> Policy:
         backends = tuple((info.context or {}).get("backends", ()))
-        errors = [f for f in check_rules(self, backends) if f.severity == "error"]
+        findings = check_rules(self, backends)
+        errors = [f for f in findings if f.severity == "error"]
+        if info.context is not None:
+            # The checker reports the warnings with positions: hand them over rather than
+            # walking the backend tables a second time.
+            info.context["warnings"] = [f for f in findings if f.severity == "warning"]
         if errors:
             raise PydanticCustomError(
                 "policy_rule",
