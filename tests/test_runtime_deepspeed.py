@@ -64,6 +64,26 @@ def ckpt(ds_env):
     ds_env._configure_defaults()
 
 
+@pytest.mark.parametrize("kwargs", [
+    {"partition_activations": True},
+    {"partition_activations": True, "contiguous_checkpointing": True, "num_checkpoints": 3},
+    {"checkpoint_in_cpu": True},
+    {"synchronize": True},
+    {"profile": True},
+])
+def test_the_read_back_table_is_what_configure_sets(ckpt, kwargs):
+    """actcfg reads DeepSpeed's state through a kwarg -> global table; configure() itself is
+    the oracle: each keyword changes exactly the global the table names for it."""
+    from actcfg.runtime.deepspeed_applier import GLOBAL_BY_KWARG
+
+    before = {name: getattr(ckpt, name) for name in GLOBAL_BY_KWARG.values()}
+    ckpt.configure(None, **kwargs)
+    after = {name: getattr(ckpt, name) for name in GLOBAL_BY_KWARG.values()}
+    changed = {name for name in before if before[name] != after[name]}
+    assert changed == {GLOBAL_BY_KWARG[k] for k in kwargs}
+    assert {k: ds_globals(ckpt)[k] for k in kwargs} == kwargs
+
+
 def test_configures_every_kwarg_and_reads_the_state_back(ckpt):
     model, x = small_blocks()
     handle = apply(model, ds_policy(synchronize=True, profile=True))
