@@ -8,9 +8,18 @@ import sys
 import actcfg
 
 
-def test_every_public_name_resolves():
-    assert all(getattr(actcfg, name) is not None for name in actcfg.__all__)
+def test_every_public_name_is_what_it_says():
+    import inspect
+
+    functions = {"apply", "load", "translate", "verify"}
+    errors = {n for n in actcfg.__all__ if n.endswith("Error")}
+    assert {n for n in actcfg.__all__ if inspect.isfunction(getattr(actcfg, n))} == functions
+    assert all(issubclass(getattr(actcfg, n), actcfg.ActcfgError) for n in errors)
+    assert issubclass(actcfg.ActcfgError, ValueError)
     assert issubclass(actcfg.OffloadError, actcfg.PolicyApplyError)
+    assert actcfg.Policy.__module__ == "actcfg.policy.schema"
+    assert [b.value for b in actcfg.Backend] == ["deepspeed", "hf", "lightning", "torch"]
+    assert isinstance(actcfg.__version__, str) and actcfg.__version__[0].isdigit()
     from actcfg.runtime.handle import AppliedPolicy
 
     assert actcfg.AppliedPolicy is AppliedPolicy
