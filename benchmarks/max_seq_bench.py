@@ -190,11 +190,17 @@ class Unavailable(Exception):
     """The variant cannot run on this machine (a peer that is not installed)."""
 
 
+class OverCap(Exception):
+    """The step ran, and took more GPU memory than the process's cap: it does not fit."""
+
+
 def _out_of_memory(e: BaseException) -> bool:
     import torch
 
+    # cuBLAS and cuDNN report a failed allocation in their own words
+    text = str(e).lower()
     return isinstance(e, torch.cuda.OutOfMemoryError) or (
-        isinstance(e, RuntimeError) and "out of memory" in str(e).lower())
+        isinstance(e, RuntimeError) and ("out of memory" in text or "alloc_failed" in text))
 
 
 def build_model(shape: Shape, length: int) -> Any:
@@ -353,6 +359,7 @@ def measure(key: str, shape: Shape, length: int, steps: int) -> dict[str, Any]:
     pool0 = _pool(engine)
     pinned0 = _pinned_by_torch()
     runs0 = _recomputes(handle)
+    mask.clear()  # the warm-ups' mask was for their short length
     torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
@@ -370,6 +377,12 @@ def measure(key: str, shape: Shape, length: int, steps: int) -> dict[str, Any]:
     steady_s = statistics.median(times)
     peak = torch.cuda.max_memory_allocated()
     peak_reserved = torch.cuda.max_memory_reserved()
+    if cap is not None and peak_reserved > cap:
+        # Where the allocator does not enforce the fraction (its expandable segments, in some
+        # torch versions), the cap is judged here: what the process took is what a GPU of that
+        # size would have had to hold.
+        raise OverCap(f"out of GPU memory: {peak_reserved / GiB:.2f} GiB reserved at the peak, over "
+                      f"the {shape.memory_cap_gib:g} GiB cap")
     recomputes = calls[0] - len(layers)  # in the last step
     counted = None if handle is None else (_recomputes(handle) - runs0) // (steps + 1)
     layer_input = length * shape.hidden * 2
@@ -461,6 +474,8 @@ def child(args: argparse.Namespace) -> int:
         result["fits"] = True
     except Unavailable as e:
         result["unavailable"] = str(e)
+    except OverCap as e:
+        result["why"] = str(e)
     except Exception as e:
         from actcfg.errors import PlanError
 
