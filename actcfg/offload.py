@@ -317,13 +317,19 @@ class _HostPool:
             # One thread: registrations serialize on the driver's lock anyway, and one worker
             # keeps the spares in the order they were ordered.
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="actcfg-host-pool")
-        self._pending[nbytes] = self._worker.submit(self._prepare, nbytes, pinned)
+        # The device the engine copies on (acquire runs under its copy stream, which makes it
+        # current): a new thread's current device is 0, and a CUDA call there would create a
+        # context on GPU 0 for every rank of a job that does not mask devices.
+        device = torch.cuda.current_device() if pinned and torch.cuda.is_available() else None
+        self._pending[nbytes] = self._worker.submit(self._prepare, nbytes, pinned, device)
 
-    def _prepare(self, nbytes: int, pinned: bool) -> None:
+    def _prepare(self, nbytes: int, pinned: bool, device: int | None) -> None:
         """On the background thread: make a spare and put it in the free list."""
         buffer = _touched(nbytes)
         if pinned:
             try:
+                if device is not None:
+                    torch.cuda.set_device(device)  # this thread's current device only
                 self._register(buffer)
             except (RuntimeError, OSError) as e:
                 with self._lock:
