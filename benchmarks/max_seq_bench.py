@@ -665,7 +665,7 @@ def bounds(o: Outcome, shape: Shape) -> list[str]:
     out.append(f"* the loss's fp32 logits: vocab {shape.vocab} x {_k(L)} x 4 bytes = "
                f"{r['logits_fp32_bytes'] / GiB:.2f} GiB per copy ({r['logits_fp32_bytes'] / peak:.0%} of the "
                "peak); HF's loss upcasts the logits and saves log_softmax's output, and its backward "
-               "makes another copy: no activation policy touches these (chunked cross-entropy does).")
+               "makes two more: no activation policy touches these (a chunked cross-entropy does).")
     m = r.get("attention_mask_bytes")
     out.append("* attention: no mask was materialised (SDPA ran causal from `is_causal`); its "
                "workspace is linear in the length." if m is None else
