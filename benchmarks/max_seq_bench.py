@@ -22,8 +22,10 @@ says "unavailable" once and is not searched.
 
 Variants: plain; HF `gradient_checkpointing_enable()`; torch `offload_wrapper(checkpoint_wrapper)`;
 torchtune `OffloadActivations` (built once, as its recipes do) without and with checkpointing;
-actcfg checkpoint; actcfg checkpoint + `cpu_checkpointing`; actcfg `mode: auto` with
-`memory_budget` set to what the GPU has free when the step begins.
+actcfg checkpoint; actcfg checkpoint + `cpu_checkpointing`, and the same with `keep_last: 0`
+(the one setting of actcfg's own that lowers the peak further; `checkpoint.mode: rules`); actcfg
+`mode: auto` with `memory_budget` set to what the GPU has free when the step begins. Where
+transformers has it (5.24+), HF's `activation_checkpointing_enable(offload=True)` too.
 
 Each length's process warms up at a short length (optimizer states, kernels), then times the
 first step at the length and --steps more (the steady state, their median), and reads the
@@ -120,6 +122,9 @@ VARIANTS = {v.key: v for v in (
     Variant("torchtune-checkpoint-offload", "torchtune checkpoint + OffloadActivations", ("checkpoint", "offload")),
     Variant("actcfg-checkpoint", "actcfg checkpoint", ("checkpoint",)),
     Variant("actcfg-checkpoint-cpu", "actcfg checkpoint + cpu_checkpointing", ("checkpoint", "offload")),
+    # the one setting of actcfg's own that lowers the peak further: the newest layer input
+    # offloaded too (keep_last 0), which checkpoint.mode rules expose
+    Variant("actcfg-checkpoint-cpu-keep0", "actcfg checkpoint + cpu_checkpointing, keep_last 0", ("checkpoint", "offload")),
     Variant("actcfg-auto", "actcfg mode: auto, memory_budget = free", ("plan",)),
 )}
 ACTCFG_HEADLINE = "actcfg-checkpoint-cpu"
@@ -262,6 +267,9 @@ def setup_variant(key: str, model: Any, inputs: dict[str, Any], budget: int) -> 
         return actcfg.apply(model, {"version": 1, "checkpoint": ckpt}), none
     if key == "actcfg-checkpoint-cpu":
         return actcfg.apply(model, {"version": 1, "checkpoint": ckpt, "cpu_checkpointing": True}), none
+    if key == "actcfg-checkpoint-cpu-keep0":
+        rule = {"modules": [layer.__name__], "mode": "full", "cpu_checkpointing": True}
+        return actcfg.apply(model, {"version": 1, "checkpoint": {"mode": "rules", "rules": [rule], "keep_last": 0}}), none
     if key == "actcfg-auto":
         policy = {"version": 1, "checkpoint": {"mode": "auto", "modules": [layer.__name__]},
                   "memory_budget": budget}
