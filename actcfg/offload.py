@@ -216,12 +216,13 @@ class _HostPool:
     Growing it off the critical path. A fresh buffer is slow to make: every page faults in on
     first touch, and `cudaHostRegister` on untouched pages faults them in while it holds the
     driver's lock (torch's own host allocator touches the pages first for that reason:
-    ATen/cuda/CachingHostAllocator.cpp, `allocWithCudaHostRegister`). With every buffer pinned on
-    the spot inside the copy launch, a first step at 16k tokens on an H200 (3B Llama, checkpoint +
-    offload) took 1.96 s against 1.24 s for HF checkpointing's (issue 23). A step's offloads repeat their sizes block after block, so a size missed twice
-    predicts a third: the pool then prepares one *spare* of that size on a background thread
-    (pages touched, then registered) while the next block computes, and the request that takes
-    a spare (with no other free buffer of its size left) orders the next one. So the first step
+    ATen/cuda/CachingHostAllocator.cpp, `allocWithCudaHostRegister`). With every buffer pinned
+    on the spot inside the copy launch, a first step at 16k tokens on an H200 (3B Llama,
+    checkpoint + offload) took 1.96 s against 1.24 s for HF checkpointing's (issue 23). A step's
+    offloads repeat their sizes block after block, so a size missed twice predicts a third: the
+    pool then prepares one *spare* of that size on a background thread (pages touched, then
+    registered) while the next block computes, and the request that takes a spare (with no
+    other free buffer of its size left) orders the next one. So the first step
     pins two buffers per repeating size on demand and the rest ahead; a later step finds every
     buffer free and orders nothing. What this costs: one unused spare per repeating size after
     the pool has grown (about one block's offload), counted in `pinned_bytes` like any buffer.
@@ -388,7 +389,8 @@ class _HostPool:
                 for entry in [e for e in self._free[size] if e[0].data_ptr() in self._spares and e[2]]:
                     if self._stats.pinned_bytes + nbytes <= self._budget:
                         return
-                    self._free[size].remove(entry)
+                    # by identity: list.remove would compare tensors elementwise
+                    self._free[size] = [e for e in self._free[size] if e is not entry]
                     self._spares.discard(entry[0].data_ptr())
                     self._registered = [b for b in self._registered if b is not entry[0]]
                     self._unregister(entry[0])  # never used by a copy: nothing reads it

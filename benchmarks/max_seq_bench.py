@@ -4,8 +4,11 @@
     # their times then share the GPU: lengths and proofs are the result, not speeds)
     PYTHONPATH=. python benchmarks/max_seq_bench.py --shape small --jobs 4 --out bench-out
 
-    # the same, timed one variant at a time (about 8 minutes): first step against steady state
+    # the same, timed one variant at a time (about 10 minutes): first step against steady state
     PYTHONPATH=. python benchmarks/max_seq_bench.py --shape small --out bench-out
+
+    # its structural test in the GPU suite (three variants, about two minutes)
+    PYTHONPATH=. python -m pytest -m cuda -q tests/test_max_seq_cuda.py
 
     # the 3.02B Llama of issue 23 (hidden 3072, 28 layers, 24 heads, 8 KV heads, intermediate
     # 8192, vocab 32000), the whole GPU: hours (a step at 192k takes a minute, and the plan's

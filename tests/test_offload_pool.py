@@ -186,3 +186,20 @@ def test_close_stops_the_pool_thread_and_drops_every_buffer(no_driver):
     pool.close()
     assert pool._worker is None and not pool._pending and not pool._free and not pool._registered
     assert not any(t.name.startswith("actcfg-host-pool") and t.is_alive() for t in threading.enumerate())
+
+
+def test_a_spare_behind_a_released_buffer_gives_way_too(no_driver):
+    stats = OffloadStats()
+    pool = offload._HostPool(True, 5 * ONE, stats)
+    b1, _, _ = pool.acquire(ONE)
+    pool.acquire(ONE)  # the size repeats: a spare is ordered
+    _settle(pool)
+    pool.acquire(ONE)  # takes the spare, orders the next
+    pool.release(b1, None, True)  # a used buffer lands in the free list before the new spare
+    _settle(pool)
+    assert [e[0].data_ptr() in pool._spares for e in pool._free[ONE]] == [False, True]
+    assert stats.pinned_bytes == 4 * ONE
+    buffer, _, pinned = pool.acquire(2 * ONE)
+    assert pinned and stats.pinned_bytes == 5 * ONE and stats.pinned_fallbacks == 0
+    assert [e[0] is b1 for e in pool._free[ONE]] == [True]  # the used buffer stays
+    pool.close()
