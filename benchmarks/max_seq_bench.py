@@ -523,13 +523,21 @@ class Outcome:
         return None if self.search.longest is None else self.runs.get(self.search.longest)
 
 
+def alloc_conf(expandable: bool) -> str:
+    """The allocator settings each length's process runs with: the caller's, plus
+    `expandable_segments:True` unless they set it either way or `expandable` is False."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if not expandable or "expandable_segments" in conf:
+        return conf
+    return ",".join(filter(None, [conf, "expandable_segments:True"]))
+
+
 def run_length(key: str, shape: Shape, length: int, steps: int, timeout: int, expandable: bool) -> dict[str, Any]:
     """Run one length of one variant in a fresh process and return what it reported."""
     env = dict(os.environ)
-    if expandable:
-        conf = env.get("PYTORCH_CUDA_ALLOC_CONF", "")
-        if "expandable_segments" not in conf:
-            env["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [conf, "expandable_segments:True"]))
+    conf = alloc_conf(expandable)
+    if conf:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = conf
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), str(HERE), env.get("PYTHONPATH", "")]))
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "result.json"
@@ -590,7 +598,8 @@ def search_variant(key: str, shape: Shape, args: argparse.Namespace, log: Callab
         outcome.search = find_longest(recording_fits, shape.start, shape.granularity, shape.limit)
     except Stop:
         outcome.search = recorded
-        log(f"{key:30s} {'unavailable: ' + outcome.unavailable if outcome.unavailable else 'error: ' + outcome.error[-300:]}")
+        why = f"unavailable: {outcome.unavailable}" if outcome.unavailable else f"error: {outcome.error[-300:]}"
+        log(f"{key:30s} {why}")
     return outcome
 
 
@@ -850,14 +859,12 @@ def main(argv: list[str] | None = None) -> int:
         futures = {k: pool.submit(search_variant, k, shape, args, log) for k in keys}
         outcomes = {k: f.result() for k, f in futures.items()}
     compare_at(outcomes, shape, args, log)
-    env_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "transformers": transformers.__version__, "shape_name": args.shape, "shape": asdict(shape),
         "steps": args.steps, "jobs": args.jobs, "wall_s": time.perf_counter() - t0,
-        "alloc_conf": env_conf if args.no_expandable_segments else
-        ",".join(filter(None, [env_conf, "expandable_segments:True"])) if "expandable_segments" not in env_conf else env_conf,
+        "alloc_conf": alloc_conf(not args.no_expandable_segments),
     }
     data = {"meta": meta, "variants": {k: {"label": o.label, "longest": o.search.longest,
                                            "credited_longest": credited(o),

@@ -180,3 +180,22 @@ def test_a_child_result_is_json_written_whole(bench, tmp_path):
     out = json.loads(result.read_text())
     assert out["fits"] is False and "error" in out  # no CUDA here: an error, never "does not fit"
     assert not result.with_suffix(".json.tmp").exists()
+
+
+def test_a_length_runs_in_its_own_process_and_an_error_stops_the_search(bench):
+    """The parent's half on the CPU: the child process starts, cannot measure without CUDA, and
+    says so in its result; an error is never taken for "does not fit", so the search stops."""
+    import argparse
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the child would measure")
+    args = argparse.Namespace(steps=1, child_timeout=300, no_expandable_segments=False)
+    lines: list[str] = []
+    outcome = bench.search_variant("plain", bench.SHAPES["small"], args, lines.append)
+    run = outcome.runs[4096]
+    assert run["fits"] is False and run["process_s"] > 0
+    assert "Traceback" in outcome.error and outcome.search.longest is None
+    assert list(outcome.runs) == [4096]  # nothing more was tried
+    assert lines[-1].startswith("plain") and "error: " in lines[-1]
