@@ -400,6 +400,7 @@ def measure(key: str, shape: Shape, length: int, steps: int) -> dict[str, Any]:
     growth = _slope([float(h) for h in held]) / layer_input
     pinned_torch = _pinned_by_torch()
     out: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "first_s": first_s, "steady_s": steady_s, "step_s": times,
         "tokens_per_s": length / steady_s,
         "peak": peak, "peak_reserved": peak_reserved, "step_start": start, "states": states,
@@ -741,8 +742,14 @@ def render(meta: dict[str, Any], outcomes: dict[str, Outcome], shape: Shape) -> 
         longest = _k(o.search.longest) if ok else f"effect missing ({_k(o.search.longest)} ran)"
         speed = (f"| {r['tokens_per_s']:.0f} | {r['first_s']:.2f} | {r['steady_s']:.2f} | "
                  f"{r['first_s'] / r['steady_s']:.2f} |") if ok else "| – | – | – | – |"
+        proven = r["proof"]
+        if r.get("plan"):
+            counts: dict[str, int] = {}
+            for c in r["plan"]:
+                counts[c] = counts.get(c, 0) + 1
+            proven += " (plan: " + ", ".join(f"{n} {c}" for c, n in counts.items()) + ")"
         out.append(f"| {o.label} | {longest} | {failing} {speed} {r['peak'] / GiB:.2f} "
-                   f"({r['peak_reserved'] / GiB:.2f}) | {pinned_s} | {r['proof']} |")
+                   f"({r['peak_reserved'] / GiB:.2f}) | {pinned_s} | {proven} |")
     out += ["", "Targets (issue 23; same run):", "", *targets(outcomes), ""]
     act = outcomes.get(ACTCFG_HEADLINE)
     if act is not None and act.best is not None:
@@ -839,15 +846,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
+    # No CUDA context here (is_available does not make one): the GPU's memory is the children's.
     if not torch.cuda.is_available():
         print("max_seq_bench needs a CUDA GPU", file=sys.stderr)
         return 2
-    total = torch.cuda.get_device_properties(0).total_memory
-    if args.jobs > 1 and (shape.memory_cap_gib is None or args.jobs * (shape.memory_cap_gib + 2) * GiB > total):
-        print(f"max_seq_bench: --jobs {args.jobs} needs a memory cap with room for every process on this "
-              f"{total / GiB:.0f} GiB GPU (cap + about 2 GiB of context each): set --memory-cap-gib, or --jobs 1",
-              file=sys.stderr)
-        return 2
+    if args.jobs > 1:
+        total = torch.cuda.get_device_properties(0).total_memory  # side by side, each is capped anyway
+        if shape.memory_cap_gib is None or args.jobs * (shape.memory_cap_gib + 2) * GiB > total:
+            print(f"max_seq_bench: --jobs {args.jobs} needs a memory cap with room for every process on "
+                  f"this {total / GiB:.0f} GiB GPU (cap + about 2 GiB of context each): set "
+                  "--memory-cap-gib, or --jobs 1", file=sys.stderr)
+            return 2
     args.out.mkdir(parents=True, exist_ok=True)
     import transformers
 
@@ -859,9 +868,10 @@ def main(argv: list[str] | None = None) -> int:
         futures = {k: pool.submit(search_variant, k, shape, args, log) for k in keys}
         outcomes = {k: f.result() for k, f in futures.items()}
     compare_at(outcomes, shape, args, log)
+    measured = next((r for o in outcomes.values() for r in o.runs.values() if r.get("gpu")), {})
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "gpu": measured.get("gpu", "no run measured"), "torch": measured.get("torch", torch.__version__),
         "transformers": transformers.__version__, "shape_name": args.shape, "shape": asdict(shape),
         "steps": args.steps, "jobs": args.jobs, "wall_s": time.perf_counter() - t0,
         "alloc_conf": alloc_conf(not args.no_expandable_segments),

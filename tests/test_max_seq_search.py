@@ -131,6 +131,8 @@ def test_the_report_credits_proven_lengths_and_states_the_targets(bench, tmp_pat
         "actcfg-checkpoint-cpu": _outcome(bench, "actcfg-checkpoint-cpu",
                                           {128 * k: _run(128 * k, steady=32.0, engine=True),
                                            256 * k: _run(256 * k, steady=70.0, engine=True)}, 320 * k),
+        "actcfg-auto": _outcome(bench, "actcfg-auto", {64 * k: {**_run(64 * k, steady=9.0),
+                                                              "plan": ["keep"] + ["full"] * 27}}, 96 * k),
     }
     shape = bench.SHAPES["3b"]
     meta = {"date": "2026-12-01T00:00:00+00:00", "gpu": "NVIDIA H200", "torch": "2.11", "transformers": "5.24",
@@ -143,6 +145,7 @@ def test_the_report_credits_proven_lengths_and_states_the_targets(bench, tmp_pat
     assert "actcfg's steady time per token / HF's <= 1.05 | 32.00 / 31.40 s = 1.019 | yes |" in text
     assert "actcfg's first step / its steady state <= 1.1 | 33.60 / 32.00 s = 1.050 | yes |" in text
     assert "the loss's fp32 logits: vocab 32000 x 256k x 4 bytes = 31.25 GiB per copy" in text
+    assert "| ok (plan: 1 keep, 27 full) |" in text
     assert "no mask was materialised" in text and "keep_last: 0" in text
     assert "2 buffers made on demand, 27 ahead" in text
     bench.plot(outcomes, tmp_path / "max_seq.png", "3b")
