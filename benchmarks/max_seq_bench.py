@@ -66,6 +66,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -858,7 +859,6 @@ def main(argv: list[str] | None = None) -> int:
                   "--memory-cap-gib, or --jobs 1", file=sys.stderr)
             return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    import transformers
 
     def log(line: str) -> None:
         print(line, flush=True)
@@ -872,7 +872,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": measured.get("gpu", "no run measured"), "torch": measured.get("torch", torch.__version__),
-        "transformers": transformers.__version__, "shape_name": args.shape, "shape": asdict(shape),
+        "transformers": version("transformers"), "shape_name": args.shape, "shape": asdict(shape),
         "steps": args.steps, "jobs": args.jobs, "wall_s": time.perf_counter() - t0,
         "alloc_conf": alloc_conf(not args.no_expandable_segments),
     }
