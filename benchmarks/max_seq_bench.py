@@ -11,8 +11,9 @@
     PYTHONPATH=. python -m pytest -m cuda -q tests/test_max_seq_cuda.py
 
     # the 3.02B Llama of issue 23 (hidden 3072, 28 layers, 24 heads, 8 KV heads, intermediate
-    # 8192, vocab 32000), the whole GPU: hours (a step at 192k takes a minute, and the plan's
-    # profile runs some 30 steps per length); --variants picks some, e.g. the headline pair:
+    # 8192, vocab 32000), the whole GPU: about 20 minutes per variant (a step at 192k takes a
+    # minute; actcfg-auto's profile runs some 30 steps per length, hours); --variants picks some,
+    # e.g. the headline pair (about 40 minutes):
     PYTHONPATH=. python benchmarks/max_seq_bench.py --variants hf-checkpointing,actcfg-checkpoint-cpu --out bench-out
 
 For a Llama shape (LlamaConfig + LlamaForCausalLM from transformers, random weights, bf16
@@ -33,8 +34,9 @@ transformers has it (5.24+), HF's `activation_checkpointing_enable(offload=True)
 Each length's process warms up at a short length (optimizer states, kernels), then times the
 first step at the length and --steps more (the steady state, their median), and reads the
 peak (allocated and reserved), the pinned host memory, and the proof that the policy took
-effect: every checkpointed layer recomputed once per backward (counted by forward hooks, or by
-actcfg's counters, which see its recomputes), memory held after each layer flat in forward for
+effect: every checkpointed layer recomputed once per backward (counted by a forward pre-hook on
+each layer's first module, and for actcfg by its own counters too), memory held after each layer
+flat in forward for
 offload (the slope over the layers, in layer inputs per layer), the bytes actcfg's engine moved,
 and for a plan its peak within its budget. A figure whose proof fails is "effect missing".
 
