@@ -231,6 +231,20 @@ def build_model(shape: Shape, length: int) -> Any:
     return model.train()
 
 
+def available(key: str) -> None:
+    """Raise Unavailable if variant `key` cannot run on this machine."""
+    if key.startswith("torchtune"):
+        try:
+            from torchtune.training import OffloadActivations  # noqa: F401
+        except ImportError as e:
+            raise Unavailable(f"torchtune is not importable here ({e})") from e
+    if key == "hf-checkpointing-offload":
+        from transformers import PreTrainedModel
+
+        if not hasattr(PreTrainedModel, "activation_checkpointing_enable"):
+            raise Unavailable("this transformers has no activation_checkpointing_enable(offload=True) (5.24+)")
+
+
 def setup_variant(key: str, model: Any, inputs: dict[str, Any], budget: int) -> tuple[Any, Callable[[], Any]]:
     """Apply variant `key` to `model`: (the actcfg handle or None, a context for each forward)."""
     import actcfg
@@ -247,9 +261,8 @@ def setup_variant(key: str, model: Any, inputs: dict[str, Any], budget: int) -> 
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs,
                                                   offload=key.endswith("offload"))
-        elif key.endswith("offload"):
-            raise Unavailable("this transformers has no activation_checkpointing_enable(offload=True) (5.24+)")
         else:
+            available(key)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return None, none
     if key == "torch-checkpoint-offload":
@@ -258,11 +271,9 @@ def setup_variant(key: str, model: Any, inputs: dict[str, Any], budget: int) -> 
         _torch_wrap(model, layer, offload=True)
         return None, none
     if key.startswith("torchtune"):
-        try:
-            from offload_bench import _built_once
-            from torchtune.training import OffloadActivations  # noqa: F401
-        except ImportError as e:
-            raise Unavailable(f"torchtune is not importable here ({e})") from e
+        available(key)
+        from offload_bench import _built_once
+
         if key == "torchtune-checkpoint-offload":
             from composition_bench import _torch_wrap  # torchtune's recipes wrap with checkpoint_wrapper
 
@@ -307,6 +318,7 @@ def measure(key: str, shape: Shape, length: int, steps: int) -> dict[str, Any]:
     """Everything one length's process reports for variant `key` (raises on out of memory)."""
     import torch
 
+    available(key)  # before building anything: a peer that is not here costs a second, not a model
     cap = None
     if shape.memory_cap_gib is not None:
         total = torch.cuda.get_device_properties(0).total_memory
