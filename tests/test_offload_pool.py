@@ -203,3 +203,40 @@ def test_a_spare_behind_a_released_buffer_gives_way_too(no_driver):
     assert pinned and stats.pinned_bytes == 5 * ONE and stats.pinned_fallbacks == 0
     assert [e[0] is b1 for e in pool._free[ONE]] == [True]  # the used buffer stays
     pool.close()
+
+
+def test_a_llama_with_checkpoint_and_offload_grows_its_pool_ahead_in_the_first_step_only():
+    """Through actcfg.apply, on a small Hugging Face Llama (the issue's model family): each layer
+    offloads its input, one size; the first step makes two on demand and the rest ahead."""
+    import warnings
+
+    pytest.importorskip("transformers")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' own deprecation notes on import
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+    import actcfg
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=5,
+                         num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+                         attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 128, (1, 256))  # a layer input: 256 x 64 fp32 = 64 KiB
+    policy = {"version": 1, "checkpoint": {"mode": "full", "modules": ["LlamaDecoderLayer"]},
+              "cpu_checkpointing": True}
+    with host_loopback():
+        handle = actcfg.apply(model, policy)
+        handle.engine.min_offload_bytes = 1 << 15  # the layer inputs move, the rotary cos/sin stay
+        seen = []
+        for _ in range(3):
+            model(input_ids=ids, labels=ids).loss.backward()
+            gc.collect()
+            st = handle.engine.stats
+            seen.append((st.host_buffers_on_demand, st.host_buffers_ahead, st.pageable_bytes))
+        moved = st.offloaded_tensors
+        handle.remove()
+    layer_input = 256 * 64 * 4
+    assert moved >= 4 and st.offloaded_bytes == moved * layer_input  # layer inputs only
+    assert seen[0][:2] == (2, moved - 1)  # one spare left after the first step
+    assert seen[1] == seen[0] == seen[2]  # later steps reuse every buffer
