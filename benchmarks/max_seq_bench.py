@@ -308,10 +308,11 @@ def _pinned_by_torch() -> int | None:
     import torch
 
     stats = getattr(torch.cuda, "host_memory_stats", None)
-    if stats is None:
+    try:
+        s = None if stats is None else stats()
+    except RuntimeError:  # a torch whose host allocator keeps no statistics
         return None
-    s = stats()
-    return int(s.get("reserved_bytes.current", s.get("allocated_bytes.current", 0)))
+    return None if s is None else int(s.get("reserved_bytes.current", s.get("allocated_bytes.current", 0)))
 
 
 def measure(key: str, shape: Shape, length: int, steps: int) -> dict[str, Any]:
