@@ -1,0 +1,204 @@
+"""benchmarks/max_seq_bench.py on the CPU: the search (doubling, then bisecting) and the report it writes.
+
+The search is driven by a predicate that says whether a length fits (a threshold, as memory is);
+the report by the results a length's process writes, so a run on the GPU cannot end in a crash
+of its own reporting after hours of measuring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("max_seq_bench", ROOT / "benchmarks" / "max_seq_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["max_seq_bench"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _under(threshold: int, calls: list[int]):
+    def fits(length: int) -> bool:
+        calls.append(length)
+        return length <= threshold
+    return fits
+
+
+def test_doubles_until_a_length_fails_then_bisects_to_the_granularity(bench):
+    calls: list[int] = []
+    found = bench.find_longest(_under(50_000, calls), 4096, 4096, 1 << 20)
+    assert found.tried == [(4096, True), (8192, True), (16384, True), (32768, True), (65536, False),
+                           (49152, True), (57344, False), (53248, False)]
+    assert (found.longest, found.shortest_failing, found.limit_reached) == (49152, 53248, False)
+    assert calls == [length for length, _ in found.tried]  # each length run once
+
+
+def test_a_start_that_does_not_fit_is_bisected_below(bench):
+    found = bench.find_longest(_under(10_000, []), 16384, 4096, 1 << 20)
+    assert found.tried == [(16384, False), (8192, True), (12288, False)]
+    assert (found.longest, found.shortest_failing) == (8192, 12288)
+
+
+def test_nothing_fits(bench):
+    found = bench.find_longest(_under(100, []), 4096, 4096, 1 << 20)
+    assert found.tried == [(4096, False)] and found.longest is None and not found.limit_reached
+
+
+def test_everything_fits_up_to_the_limit(bench):
+    found = bench.find_longest(_under(1 << 30, []), 4096, 4096, 65536 + 100)
+    assert [length for length, _ in found.tried] == [4096, 8192, 16384, 32768, 65536]
+    assert found.longest == 65536 and found.shortest_failing is None and found.limit_reached
+
+
+@pytest.mark.parametrize(("start", "granularity", "limit"), [(0, 4096, 1 << 20), (6000, 4096, 1 << 20),
+                                                             (8192, 4096, 4096)])
+def test_a_grid_that_is_not_one_is_refused(bench, start, granularity, limit):
+    with pytest.raises(ValueError, match=r"^start \(\d+\) must be a positive multiple of granularity"):
+        bench.find_longest(lambda n: True, start, granularity, limit)
+
+
+@settings(max_examples=200, deadline=None)
+@given(threshold=st.integers(0, 1 << 21), start_steps=st.integers(1, 16), granularity=st.sampled_from([512, 1024, 4096]),
+       limit_steps=st.integers(16, 400))
+def test_the_longest_is_the_last_multiple_of_the_granularity_that_fits(bench, threshold, start_steps, granularity,
+                                                                      limit_steps):
+    start, limit = start_steps * granularity, limit_steps * granularity
+    calls: list[int] = []
+    found = bench.find_longest(_under(threshold, calls), start, granularity, limit)
+    reachable = min(threshold, limit) // granularity * granularity
+    assert found.longest == (reachable or None)
+    assert len(calls) == len(set(calls))  # no length is run twice
+    assert all(n % granularity == 0 and 0 < n <= limit for n in calls)
+    if found.shortest_failing is not None:
+        assert found.shortest_failing - (found.longest or 0) <= granularity
+        assert found.shortest_failing > threshold
+    else:
+        assert found.longest == limit // granularity * granularity
+
+
+# --- the report ---------------------------------------------------------------------------------
+
+
+GiB = 2**30
+
+
+def _run(length: int, *, steady: float, proof: str = "ok", engine: bool = False) -> dict:
+    """A length's result as the child process writes it."""
+    r = {"variant": "x", "length": length, "fits": True, "first_s": steady * 1.05, "steady_s": steady,
+         "step_s": [steady, steady], "tokens_per_s": length / steady, "peak": 60 * GiB,
+         "peak_reserved": 62 * GiB, "step_start": 20 * GiB, "states": 20 * GiB, "budget": None,
+         "recomputes_per_step": 28, "actcfg_recomputes_per_step": None, "layers": 28,
+         "held_growth_per_layer": 0.0, "pinned_host": None, "pinned_host_torch": None,
+         "attention_mask_bytes": None, "logits_fp32_bytes": 32000 * length * 4,
+         "layer_input_bytes": length * 3072 * 2, "proof": proof, "process_s": 30.0}
+    if engine:
+        pool = {"on_demand": 2, "ahead": 27, "wait_s": 0.1, "pinned_allocations": 3, "pinned_bytes": GiB}
+        r.update(pinned_host=20 * GiB, pageable_host=0, offloaded_bytes=20 * GiB, kept_at_turn_bytes=GiB,
+                 first_step_pool=pool, later_steps_pool=dict.fromkeys(pool, 0))
+    return r
+
+
+def _outcome(bench, key: str, runs: dict[int, dict], failing: int | None):
+    o = bench.Outcome(key, bench.VARIANTS[key].label)
+    fit = [n for n, r in runs.items() if r["fits"]]
+    o.runs = runs
+    o.search = bench.Search(longest=max(fit) if fit else None, shortest_failing=failing,
+                            tried=[(n, r["fits"]) for n, r in runs.items()])
+    return o
+
+
+def test_the_report_credits_proven_lengths_and_states_the_targets(bench, tmp_path):
+    k = 1024
+    outcomes = {
+        "plain": _outcome(bench, "plain", {16 * k: _run(16 * k, steady=1.0)}, 32 * k),
+        "hf-checkpointing": _outcome(bench, "hf-checkpointing", {128 * k: _run(128 * k, steady=31.4)}, 192 * k),
+        "torchtune-offload": bench.Outcome("torchtune-offload", "torchtune OffloadActivations",
+                                           unavailable="torchtune is not importable here"),
+        "actcfg-checkpoint": _outcome(bench, "actcfg-checkpoint",
+                                      {128 * k: _run(128 * k, steady=31.0, proof="0 layers recomputed")}, 160 * k),
+        "actcfg-checkpoint-cpu": _outcome(bench, "actcfg-checkpoint-cpu",
+                                          {128 * k: _run(128 * k, steady=32.0, engine=True),
+                                           256 * k: _run(256 * k, steady=70.0, engine=True)}, 320 * k),
+        "actcfg-auto": _outcome(bench, "actcfg-auto", {64 * k: {**_run(64 * k, steady=9.0),
+                                                              "plan": ["keep"] + ["full"] * 27}}, 96 * k),
+    }
+    shape = bench.SHAPES["3b"]
+    meta = {"date": "2026-12-01T00:00:00+00:00", "gpu": "NVIDIA H200", "torch": "2.11", "transformers": "5.24",
+            "shape_name": "3b", "steps": 2, "jobs": 1, "alloc_conf": "expandable_segments:True"}
+    text = bench.render(meta, outcomes, shape)
+    assert "| actcfg checkpoint | effect missing (128k ran) |" in text  # no figure without its proof
+    assert "| torchtune OffloadActivations | unavailable: torchtune is not importable here |" in text
+    assert "| actcfg checkpoint + cpu_checkpointing: longest / HF checkpointing's >= 2 | 256k / 128k = 2.00 | yes |" in text
+    assert "| actcfg checkpoint + cpu_checkpointing: longer than every peer | 256k against 128k | yes |" in text
+    assert "actcfg's steady time per token / HF's <= 1.05 | 32.00 / 31.40 s = 1.019 | yes |" in text
+    assert "actcfg's first step / its steady state <= 1.1 | 33.60 / 32.00 s = 1.050 | yes |" in text
+    assert "the loss's fp32 logits: vocab 32000 x 256k x 4 bytes = 31.25 GiB per copy" in text
+    assert "| ok (plan: 1 keep, 27 full) |" in text
+    assert "no mask was materialised" in text and "keep_last: 0" in text
+    assert "2 buffers made on demand, 27 ahead" in text
+    bench.plot(outcomes, tmp_path / "max_seq.png", "3b")
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "max_seq.png").stat().st_size > 0
+
+
+def test_without_a_gpu_the_benchmark_says_so_and_writes_nothing(bench, tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert bench.main(["--shape", "small", "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == "max_seq_bench needs a CUDA GPU\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_variants_and_a_broken_grid_are_usage_errors(bench, tmp_path, capsys):
+    assert bench.main(["--variants", "plain,nope", "--out", str(tmp_path)]) == 2
+    assert "unknown variant(s) nope; choose from plain," in capsys.readouterr().err
+    assert bench.main(["--shape", "small", "--start", "3000", "--out", str(tmp_path)]) == 2
+    assert "must be a positive multiple of granularity (2048)" in capsys.readouterr().err
+
+
+def test_a_child_result_is_json_written_whole(bench, tmp_path):
+    """A length's process that cannot run its variant still writes its one result file."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the child would measure")
+    result = tmp_path / "r.json"
+    shape = json.dumps(dataclasses.asdict(bench.SHAPES["small"]))
+    assert bench.main(["--child", "plain", "--length", "4096", "--steps", "1", "--shape-json", shape,
+                       "--result", str(result)]) == 0
+    out = json.loads(result.read_text())
+    assert out["fits"] is False and "error" in out  # no CUDA here: an error, never "does not fit"
+    assert not result.with_suffix(".json.tmp").exists()
+
+
+def test_a_length_runs_in_its_own_process_and_an_error_stops_the_search(bench):
+    """The parent's half on the CPU: the child process starts, cannot measure without CUDA, and
+    says so in its result; an error is never taken for "does not fit", so the search stops."""
+    import argparse
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the child would measure")
+    args = argparse.Namespace(steps=1, child_timeout=300, no_expandable_segments=False)
+    lines: list[str] = []
+    outcome = bench.search_variant("plain", bench.SHAPES["small"], args, lines.append)
+    run = outcome.runs[4096]
+    assert run["fits"] is False and run["process_s"] > 0
+    assert "Traceback" in outcome.error and outcome.search.longest is None
+    assert list(outcome.runs) == [4096]  # nothing more was tried
+    assert lines[-1].startswith("plain") and "error: " in lines[-1]
