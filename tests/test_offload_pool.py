@@ -13,8 +13,8 @@ import threading
 import pytest
 import torch
 
-from actcfg import offload
-from actcfg.offload import OffloadEngine, OffloadStats, OffloadWarning, host_loopback
+from actcfg.runtime import offload
+from actcfg.runtime.offload import OffloadEngine, OffloadStats, OffloadWarning, host_loopback
 
 WIDTH = 1 << 14  # floats per layer's saved tensor: 64 KiB
 ONE = WIDTH * 4
