@@ -107,6 +107,12 @@ class ActivationPolicyCallback(TrainerCallback):
         self._run: tuple[TrainingArguments, TrainerState] | None = None
         self._peak = FirstStepPeak()
 
+    @property
+    def first_step_peak(self) -> int | None:
+        """The first training step's GPU memory peak above its start, read before the optimizer
+        step: what `memory_budget` bounds (None on the CPU, and before that step)."""
+        return self._peak.peak
+
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: Any = None, **kwargs: Any) -> None:
         """Refuse what cannot work, then apply the policy (or its plan file) before the first

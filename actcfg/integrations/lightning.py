@@ -57,6 +57,7 @@ import actcfg
 from actcfg.backends import Backend
 from actcfg.backends.deepspeed import SECTION, TABLE
 from actcfg.backends.table import Key
+from actcfg.errors import PolicyApplyError
 from actcfg.integrations._guards import (
     backend_for,
     hf_checkpointed_modules,
@@ -122,6 +123,12 @@ class ActivationPolicy(pl.Callback):
         self._checked_step = False
         self._waiting = False  # mode auto, no plan file: plan on the first batch
         self._peak = FirstStepPeak()
+
+    @property
+    def first_step_peak(self) -> int | None:
+        """The first training step's GPU memory peak above its start, read before the optimizer
+        step: what `memory_budget` bounds (None on the CPU, and before that step)."""
+        return self._peak.peak
 
     def _backend(self, trainer: pl.Trainer) -> Backend:
         if self.policy.checkpoint.mode == "auto":
