@@ -102,6 +102,8 @@ class ActivationPolicyCallback(TrainerCallback):
         on_train_end, else None."""
         self.plan_written: Path | None = None
         """Where the plan made on the first batch was written (`output_dir/actcfg-plan.yaml`)."""
+        self.plan_seconds: float | None = None
+        """Seconds planning took on the first batch (its profile steps), else None."""
         self._checked_step = False
         self._pending: Any = None  # the forward pre-hook that plans on the first batch
         self._run: tuple[TrainingArguments, TrainerState] | None = None
@@ -159,7 +161,7 @@ class ActivationPolicyCallback(TrainerCallback):
         self.applied = actcfg.apply(model, self.policy, backend=Backend.TORCH,
                                     inputs=dict(kwargs) if kwargs else tuple(args),
                                     loss_fn=trainer_loss)
-        took = time.perf_counter() - began
+        took = self.plan_seconds = time.perf_counter() - began
         assert self._run is not None and self.applied.plan is not None
         run_args, state = self._run
         if state.is_world_process_zero:

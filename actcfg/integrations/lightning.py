@@ -120,6 +120,8 @@ class ActivationPolicy(pl.Callback):
         teardown, else None."""
         self.plan_written: Path | None = None
         """Where the plan made on the first batch was written (`log_dir/actcfg-plan.yaml`)."""
+        self.plan_seconds: float | None = None
+        """Seconds planning took on the first batch (its profile steps), else None."""
         self._checked_step = False
         self._waiting = False  # mode auto, no plan file: plan on the first batch
         self._peak = FirstStepPeak()
@@ -197,7 +199,7 @@ class ActivationPolicy(pl.Callback):
                                      apply=actcfg.apply)
             self.applied = actcfg.apply(pl_module, planned.policy, backend=Backend.TORCH)
             self.applied.set_plan(planned.report)
-            took = time.perf_counter() - began
+            took = self.plan_seconds = time.perf_counter() - began
             if trainer.is_global_zero:
                 self.plan_written = write_plan(trainer.log_dir or trainer.default_root_dir,
                                                planned.report.policy_yaml)
