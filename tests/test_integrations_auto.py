@@ -204,6 +204,35 @@ def test_hf_label_smoothing_is_refused_before_the_first_step(tmp_path):
     assert not tmp_path.joinpath("actcfg-plan.yaml").exists()
 
 
+def test_hf_outputs_without_a_loss_are_refused_on_the_first_batch(tmp_path):
+    """A compute_loss_func takes the labels out of the batch: the model returns no loss."""
+    callback = ActivationPolicyCallback(HF_AUTO)
+
+    def loss_of(outputs, labels, num_items_in_batch=None):
+        return outputs.logits.float().square().mean()
+
+    trainer = Trainer(model=tiny_llama(), args=hf_arguments(tmp_path), train_dataset=Tokens(),
+                      callbacks=[callback], compute_loss_func=loss_of)
+    with pytest.raises(PolicyApplyError, match=re.escape(
+            "checkpoint.mode auto profiles steps with the loss Trainer.compute_loss takes from the "
+            "model's outputs, and they hold no `loss` (keys: logits): the model got no labels")):
+        trainer.train()
+    assert trainer.state.global_step == 0 and callback.applied is None and callback._pending is None
+
+
+def test_hf_auto_beside_the_trainers_own_checkpointing_is_refused(tmp_path):
+    import dataclasses
+
+    new_name = "activation_checkpointing" in {f.name for f in dataclasses.fields(TrainingArguments)}
+    on = {"activation_checkpointing" if new_name else "gradient_checkpointing": True}
+    trainer = Trainer(model=tiny_llama(), args=hf_arguments(tmp_path, **on), train_dataset=Tokens(),
+                      callbacks=[ActivationPolicyCallback(HF_AUTO)])
+    with pytest.raises(PolicyApplyError, match=re.escape(
+            "TrainingArguments(gradient_checkpointing=True) and the actcfg policy's "
+            "`checkpoint: {mode: auto}` would stack two recomputes of each layer in backward")):
+        trainer.train()
+
+
 # --- Lightning ------------------------------------------------------------------------------------
 
 
@@ -331,3 +360,43 @@ def test_gpu_hf_trainer_plans_gpt2_within_the_budget_halfway_to_plain(tmp_path):
     again = ActivationPolicyCallback(policy, plan_file=plan)
     Trainer(model=gpt2(), args=args, train_dataset=rows, callbacks=[again]).train()
     assert again.first_step_peak is not None and again.first_step_peak <= budget
+
+
+@pytest.mark.cuda
+def test_gpu_lightning_plans_the_blocks_stack_within_the_budget_halfway_to_plain(tmp_path):
+    """The blocks stack (4 blocks, d_model 1024, batch 4 x 1024, bf16) in Lightning's default
+    strategy: the budget halfway between checkpointing every block and plain; the first step's
+    peak, measured before the optimizer step, stays within it."""
+    from actcfg import probes
+    from actcfg.plan.profile import measure_steps
+    from actcfg.runtime import apply
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    shape = dict(n=4, d_model=1024, heads=8, ffn=4096, batch=4, seq=1024)
+    model, x = probes.blocks(**shape)
+    _, plain = measure_steps(model, x)
+    with apply(model, "version: 1\ncheckpoint: {mode: full, modules: [Block]}\n"):
+        _, full = measure_steps(model, x)
+    del model
+    budget = (plain + full) // 2
+
+    class Stack(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks, _ = probes.blocks(**shape, device="cpu")
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.blocks(batch[0]).float().square().mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    callback = ActivationPolicy(f"version: 1\ncheckpoint: {{mode: auto, modules: [Block]}}\n"
+                                f"memory_budget: {budget}\n")
+    trainer = pl.Trainer(max_steps=2, accelerator="gpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         default_root_dir=str(tmp_path), callbacks=[callback])
+    trainer.fit(Stack(), DataLoader(TensorDataset(x.cpu().repeat(2, 1, 1)), batch_size=shape["batch"]))
+    assert callback.plan_written == tmp_path / "actcfg-plan.yaml"
+    assert callback.first_step_peak is not None and callback.first_step_peak <= budget
