@@ -279,6 +279,8 @@ class _TrainingStepView(nn.Module):
 def _logs_thrown_away(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iterator[None]:
     """`self.log` in the profile's training_step runs lands in a result collection dropped after
     it: the epoch's logged means hold the real steps only."""
+    # Lightning has no public switch for self.log; in 2.6.6 `trainer._results` is the training
+    # epoch loop's collection, and self.log files each value under `_current_fx_name`.
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
 
     loop = trainer.fit_loop.epoch_loop
