@@ -13,12 +13,33 @@ does nothing there; this callback configures DeepSpeed itself, after `deepspeed.
 Trainer has no hook for an exception in `train()`: a run that raises leaves the policy on the
 model. The next `train()` removes it before applying afresh; call `callback.remove()` to undo
 it at once.
+
+`checkpoint.mode: auto` plans on the first batch the Trainer feeds: a forward pre-hook on the
+model catches the first training call (inside `Trainer.compute_loss`, with the keyword
+arguments it passes the model, `num_items_in_batch` included), profiles steps on that batch with
+the loss `compute_loss` takes from the outputs (`outputs["loss"]`, else `outputs[0]`), applies the
+plan, and lets the call go on: the step is the Trainer's first, before its first optimizer step.
+The profile puts back gradients, buffers, training mode and the CPU and CUDA RNG state, and
+touches neither the optimizer nor the data loader, so the run sees what it would have seen with
+the plan applied at train begin. The plan is written to `output_dir/actcfg-plan.yaml`;
+`plan_file=` applies such a file at train begin instead, with no profile.
+
+What the callback says goes where the Trainer writes its own progress: Trainer's logger stays at
+WARNING by default (its INFO lines, such as "***** Running training *****", do not show), and it
+prints its metrics with `tqdm.write` (or `print` under `disable_tqdm`) on the main process. One
+line when the policy takes effect, one after the first step; both are left out when the
+process's log level (`TrainingArguments.log_level`, or transformers' verbosity) is above WARNING.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from pathlib import Path
 from typing import Any
 
+import torch
+from tqdm.auto import tqdm
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import actcfg
@@ -36,9 +57,17 @@ from actcfg.integrations._guards import (
     refuse_no_recompute,
     refuse_stacked,
 )
+from actcfg.integrations._planning import (
+    PLAN_FILE_NAME,
+    check_plan_fits_model,
+    load_plan_file,
+    refuse_plan_file_without_auto,
+    write_plan,
+)
+from actcfg.integrations._report_lines import FirstStepPeak, applied_line, measured_line
 from actcfg.policy.schema import Policy
 
-__all__ = ["ActivationPolicyCallback"]
+__all__ = ["ActivationPolicyCallback", "trainer_loss"]
 
 _AC, _AC_KWARGS = ARGUMENT, KWARGS  # transformers 5.24's names
 _GC, _GC_KWARGS = OLD_NAMES[ARGUMENT], OLD_NAMES[KWARGS]  # the names before (5.17 has only these)
@@ -47,37 +76,123 @@ _OFFLOAD = HF_TABLE["cpu_checkpointing"].key.removeprefix(f"{KWARGS}.")
 
 
 class ActivationPolicyCallback(TrainerCallback):
-    """Apply an actcfg policy to the model `Trainer` trains, from train begin to train end."""
+    """Apply an actcfg policy to the model `Trainer` trains, from train begin to train end.
 
-    def __init__(self, policy: Any, *, backend: Backend | str | None = None, mpu: Any = None) -> None:
+    `memory_budget` (with `checkpoint.mode: auto`) bounds the GPU memory one training step's
+    forward and backward allocate above what is allocated when the step begins (its
+    activations, their gradients, the parameter gradients): the weights, the optimizer's state
+    and the optimizer step are outside it. The plan is made on the first batch (see the module
+    doc) and written to `output_dir/actcfg-plan.yaml`; `plan_file=` reuses one without profiling.
+    """
+
+    def __init__(self, policy: Any, *, backend: Backend | str | None = None, mpu: Any = None,
+                 plan_file: str | Path | None = None) -> None:
         # Validated now, so a bad policy fails where the Trainer is built, not after setup.
         self.policy: Policy = actcfg.load(policy, backends=() if backend is None else (backend,))
+        refuse_plan_file_without_auto(self.policy, plan_file)
+        self.plan_file: Path | None = None
+        """The plan applied instead of planning (`plan_file=`), else None."""
+        self._plan: Policy | None = None
+        if plan_file is not None:
+            self.plan_file, self._plan = load_plan_file(plan_file)
         self.backend = backend
         self.mpu = mpu
         self.applied: actcfg.AppliedPolicy | None = None
-        """The live handle between on_train_begin and on_train_end, else None."""
+        """The live handle between on_train_begin (with mode auto: the first batch) and
+        on_train_end, else None."""
+        self.plan_written: Path | None = None
+        """Where the plan made on the first batch was written (`output_dir/actcfg-plan.yaml`)."""
+        self.plan_seconds: float | None = None
+        """Seconds planning took on the first batch (its profile steps), else None."""
         self._checked_step = False
+        self._pending: Any = None  # the forward pre-hook that plans on the first batch
+        self._run: tuple[TrainingArguments, TrainerState] | None = None
+        self._peak = FirstStepPeak()
+
+    @property
+    def first_step_peak(self) -> int | None:
+        """The first training step's GPU memory peak above its start, read before the optimizer
+        step: what `memory_budget` bounds (None on the CPU, and before that step)."""
+        return self._peak.peak
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: Any = None, **kwargs: Any) -> None:
-        """Refuse what cannot work, then apply the policy, before the first step."""
+        """Refuse what cannot work, then apply the policy (or its plan file) before the first
+        step; with `mode: auto` and no plan file, wait for the first batch."""
         self.remove()  # a train() that raised left the last application on the model
         if model is None:
             raise PolicyApplyError("Trainer called on_train_begin without a model; "
                                    "ActivationPolicyCallback needs Trainer(model=...)")
         plugin = getattr(args, "deepspeed_plugin", None)
-        backend = backend_for(self.policy, self.backend, plugin is not None)
+        auto = self.policy.checkpoint.mode == "auto"
+        # A plan is a torch policy: the trainer running DeepSpeed does not make it a DeepSpeed one.
+        backend = Backend.TORCH if auto else backend_for(self.policy, self.backend, plugin is not None)
         self._refuse_conflicts(args, model, backend)
         if plugin is not None:
             section = (getattr(plugin, "deepspeed_config", None) or {}).get(SECTION)
             refuse_disagreeing_section(section, self.policy, backend, "the ds_config")
-        self.applied = actcfg.apply(model, self.policy, backend=backend, mpu=self.mpu)
         self._checked_step = False
+        self._peak = FirstStepPeak()
+        self._run = (args, state)
+        if not auto:
+            self.applied = actcfg.apply(model, self.policy, backend=backend, mpu=self.mpu)
+            self._say(applied_line(self.applied))
+        elif self._plan is not None:
+            assert self.plan_file is not None
+            check_plan_fits_model(model, self.policy, self._plan, self.plan_file)
+            self.applied = actcfg.apply(model, self._plan, backend=backend)
+            self._say(applied_line(self.applied, plan_file=self.plan_file))
+        else:
+            _refuse_planning_in(args)
+            self._pending = model.register_forward_pre_hook(self._plan_on_first_batch, with_kwargs=True)
+
+    def _plan_on_first_batch(self, model: torch.nn.Module, args: tuple[Any, ...],
+                             kwargs: dict[str, Any]) -> None:
+        if not (model.training and torch.is_grad_enabled()):
+            return  # an evaluation before training: not the batch a step trains on
+        self._stop_waiting()  # the profile calls the model too
+        if args and kwargs:
+            raise PolicyApplyError(
+                "checkpoint.mode auto plans on the first batch as the Trainer passes it to the "
+                "model, and the model was called with positional and keyword arguments (a "
+                "compute_loss of your own?): call it with keyword arguments only, or write the "
+                "plan with `actcfg plan` and pass plan_file=")
+        began = time.perf_counter()
+        self.applied = actcfg.apply(model, self.policy, backend=Backend.TORCH,
+                                    inputs=dict(kwargs) if kwargs else tuple(args),
+                                    loss_fn=trainer_loss)
+        took = self.plan_seconds = time.perf_counter() - began
+        assert self._run is not None and self.applied.plan is not None
+        run_args, state = self._run
+        if state.is_world_process_zero:
+            self.plan_written = write_plan(run_args.output_dir, self.applied.plan.policy_yaml)
+        self._say(applied_line(self.applied, planned_in_s=took, written=self.plan_written))
+        self._peak.begin(model)  # from here: the profile's own peak is not the step's
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      model: Any = None, **kwargs: Any) -> None:
+        """The first step's memory is measured from here (on a GPU)."""
+        if not self._checked_step and model is not None:
+            self._peak.begin(model)
+
+    def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState,
+                              control: TrainerControl, **kwargs: Any) -> None:
+        """The first step's peak, before the optimizer step (outside `memory_budget`)."""
+        if not self._checked_step:
+            self._peak.stop()
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
-        """After the first step: the policy's effects really happened."""
-        if self._checked_step or self.applied is None:
+        """After the first step: the policy's effects really happened, and what was measured."""
+        if self._checked_step:
+            return
+        if self._pending is not None:
+            self._stop_waiting()
+            raise PolicyApplyError(
+                "checkpoint.mode auto waited for the first batch, and the first step ran without "
+                "calling the model in training mode: nothing was planned (a compute_loss that "
+                "calls another module?); write the plan with `actcfg plan` and pass plan_file=")
+        if self.applied is None:
             return
         self._checked_step = True
         try:
@@ -87,6 +202,7 @@ class ActivationPolicyCallback(TrainerCallback):
         except PolicyApplyError:
             self.remove()  # Trainer has no exception hook: take the policy off before raising
             raise
+        self._say(measured_line(self.applied, self._peak.peak))
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
@@ -95,15 +211,33 @@ class ActivationPolicyCallback(TrainerCallback):
 
     def remove(self) -> None:
         """Undo the policy now (also after a `train()` that raised); a no-op when none is on."""
+        self._stop_waiting()
         applied, self.applied = self.applied, None
         if applied is not None:
             applied.remove()
+
+    def _stop_waiting(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.remove()
+
+    def _say(self, line: str) -> None:
+        """Write `line` where the Trainer writes its metrics, on the main process only."""
+        if self._run is None:
+            return
+        args, state = self._run
+        if not state.is_world_process_zero or args.get_process_log_level() > logging.WARNING:
+            return
+        if args.disable_tqdm:
+            print(line, flush=True)
+        else:
+            tqdm.write(line)  # above the progress bar, as ProgressCallback writes its logs
 
     def _refuse_conflicts(self, args: TrainingArguments, model: Any, backend: Backend) -> None:
         mode = self.policy.checkpoint.mode
         hf_on = bool(getattr(args, _AC, None) or getattr(args, _GC, None))
         layers = hf_checkpointed_modules(model)
-        if mode in ("full", "selective"):
+        if mode in ("full", "selective", "auto"):
             if hf_on:
                 refuse_stacked(f"TrainingArguments({_GC}=True)",
                                f"set {_GC}=False (or {_AC}=False, its new name)", self.policy)
@@ -142,3 +276,43 @@ def _short(names: list[str], limit: int = 2) -> str:
     shown = ", ".join(f"`{n}`" for n in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
+
+
+def trainer_loss(outputs: Any) -> Any:
+    """The loss `Trainer.compute_loss` takes from the model's outputs (with no label smoother and
+    no compute_loss_func): `outputs["loss"]` of a dict or ModelOutput, else `outputs[0]`."""
+    if isinstance(outputs, dict):
+        if outputs.get("loss") is None:
+            raise PolicyApplyError(
+                "checkpoint.mode auto profiles steps with the loss Trainer.compute_loss takes from "
+                f"the model's outputs, and they hold no `loss` (keys: {', '.join(outputs)}): the "
+                "model got no labels (a compute_loss_func or compute_loss of your own computes the "
+                "loss outside it); write the plan with `actcfg plan --model ...` and pass plan_file=")
+        return outputs["loss"]
+    return outputs[0]
+
+
+def _refuse_planning_in(args: TrainingArguments) -> None:
+    """PolicyApplyError for a run whose first batch cannot be planned on in this process."""
+    fsdp = getattr(args, "fsdp", None)
+    why = None
+    if getattr(args, "deepspeed_plugin", None) is not None:
+        why = "the Trainer runs DeepSpeed, whose engine hooks every parameter's gradient"
+    elif args.world_size > 1 or fsdp:
+        why = (f"this is one of {args.world_size} processes" if args.world_size > 1
+               else "the Trainer shards the model with FSDP") + (
+            ", and the profile's backward passes would reduce gradients across them")
+    elif args.n_gpu > 1:
+        why = f"the Trainer wraps the model in DataParallel over {args.n_gpu} GPUs"
+    elif getattr(args, "torch_compile", False):
+        why = ("TrainingArguments(torch_compile=True) compiles the model, and a plan profiled "
+               "in eager is not what runs compiled")
+    elif getattr(args, "label_smoothing_factor", 0):
+        why = ("TrainingArguments(label_smoothing_factor) takes the labels out of the batch "
+               "before the model sees it, so the profile has no loss to run backward from")
+    if why is not None:
+        raise PolicyApplyError(
+            f"checkpoint.mode auto plans on the first batch, in the training process, and {why}: "
+            f"plan once in a one-process run without it (it writes {PLAN_FILE_NAME} to "
+            "output_dir), or with `actcfg plan CONFIG --model pkg.module:factory -o plan.yaml`, "
+            "and pass the file as ActivationPolicyCallback(..., plan_file=...)")

@@ -22,20 +22,42 @@ work, a strategy config that disagrees with the policy.
   torchtitan orders it, call `actcfg.apply` in `configure_model` before `fully_shard` instead.
 
 The policy is removed in `teardown`, and in `on_exception` (Lightning skips `teardown` then).
+
+`checkpoint.mode: auto` plans in `on_train_batch_start` of the first batch, on the batch as
+`training_step` gets it (on the device), with `training_step` as the step: the profile runs it
+under the precision plugin's `train_step_context` (autocast, as the strategy runs it) and
+backward from the loss it returns, with its `self.log` calls sent to a collection thrown away
+after, then applies the plan before Lightning's own first `training_step`. The profile puts back
+gradients, buffers, training mode and the CPU and CUDA RNG state, and touches neither the
+optimizers nor the data, so the run sees what it would have seen with the plan applied at fit
+start. The plan is written to `trainer.log_dir/actcfg-plan.yaml`; `plan_file=` applies such a
+file at fit start instead, with no profile. Planning in the run needs one device and automatic
+optimization (the profile must not step an optimizer).
+
+What the callback says goes through `rank_zero_info`, Lightning's own INFO logger (its
+`lightning.pytorch` logger shows INFO by default, as the "GPU available" lines and the model
+summary do): one line when the policy takes effect, one after the first step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
 
 import actcfg
 from actcfg.backends import Backend
 from actcfg.backends.deepspeed import SECTION, TABLE
 from actcfg.backends.table import Key
+from actcfg.errors import PolicyApplyError
 from actcfg.integrations._guards import (
     backend_for,
     hf_checkpointed_modules,
@@ -45,9 +67,18 @@ from actcfg.integrations._guards import (
     refuse_no_recompute,
     refuse_stacked,
 )
+from actcfg.integrations._planning import (
+    PLAN_FILE_NAME,
+    check_plan_fits_model,
+    load_plan_file,
+    refuse_plan_file_without_auto,
+    write_plan,
+)
+from actcfg.integrations._report_lines import FirstStepPeak, applied_line, measured_line
+from actcfg.plan import plan_model
 from actcfg.policy.schema import Policy
 
-__all__ = ["ActivationPolicy"]
+__all__ = ["ActivationPolicy", "step_loss"]
 
 _FIT = "fit"
 
@@ -62,18 +93,48 @@ def _keyword_default_section() -> dict[str, Any]:
 
 
 class ActivationPolicy(pl.Callback):
-    """Apply an actcfg policy to the LightningModule for `fit`, from fit start to teardown."""
+    """Apply an actcfg policy to the LightningModule for `fit`, from fit start to teardown.
 
-    def __init__(self, policy: Any, *, backend: Backend | str | None = None, mpu: Any = None) -> None:
+    `memory_budget` (with `checkpoint.mode: auto`) bounds the GPU memory one training step's
+    forward and backward allocate above what is allocated when the step begins (its
+    activations, their gradients, the parameter gradients): the weights, the optimizer's state
+    and the optimizer step are outside it. The plan is made on the first batch (see the module
+    doc) and written to `trainer.log_dir/actcfg-plan.yaml`; `plan_file=` reuses one without
+    profiling.
+    """
+
+    def __init__(self, policy: Any, *, backend: Backend | str | None = None, mpu: Any = None,
+                 plan_file: str | Path | None = None) -> None:
         # Validated now, so a bad policy fails where the Trainer is built, not after setup.
         self.policy: Policy = actcfg.load(policy, backends=() if backend is None else (backend,))
+        refuse_plan_file_without_auto(self.policy, plan_file)
+        self.plan_file: Path | None = None
+        """The plan applied instead of planning (`plan_file=`), else None."""
+        self._plan: Policy | None = None
+        if plan_file is not None:
+            self.plan_file, self._plan = load_plan_file(plan_file)
         self.backend = backend
         self.mpu = mpu
         self.applied: actcfg.AppliedPolicy | None = None
-        """The live handle between on_fit_start and teardown, else None."""
+        """The live handle between on_fit_start (with mode auto: the first batch) and
+        teardown, else None."""
+        self.plan_written: Path | None = None
+        """Where the plan made on the first batch was written (`log_dir/actcfg-plan.yaml`)."""
+        self.plan_seconds: float | None = None
+        """Seconds planning took on the first batch (its profile steps), else None."""
         self._checked_step = False
+        self._waiting = False  # mode auto, no plan file: plan on the first batch
+        self._peak = FirstStepPeak()
+
+    @property
+    def first_step_peak(self) -> int | None:
+        """The first training step's GPU memory peak above its start, read before the optimizer
+        step: what `memory_budget` bounds (None on the CPU, and before that step)."""
+        return self._peak.peak
 
     def _backend(self, trainer: pl.Trainer) -> Backend:
+        if self.policy.checkpoint.mode == "auto":
+            return Backend.TORCH  # a plan is a torch policy, whatever the strategy
         return backend_for(self.policy, self.backend, isinstance(trainer.strategy, DeepSpeedStrategy))
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -89,10 +150,11 @@ class ActivationPolicy(pl.Callback):
                                        "the DeepSpeedStrategy config")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Apply the policy: after configure_model and the strategy's setup (see the module doc)."""
+        """Apply the policy: after configure_model and the strategy's setup (see the module doc);
+        with `mode: auto` and no plan file, wait for the first batch."""
         self.remove()
         mode = self.policy.checkpoint.mode
-        if mode in ("full", "selective"):
+        if mode in ("full", "selective", "auto"):
             wrapped = _checkpoint_wrapped(pl_module)
             if wrapped:
                 refuse_stacked(
@@ -105,16 +167,55 @@ class ActivationPolicy(pl.Callback):
                     f"Hugging Face activation checkpointing on `{layers[0]}`"
                     + (f" and {len(layers) - 1} more" if len(layers) > 1 else ""),
                     "call activation_checkpointing_disable() on the Hugging Face model", self.policy)
-        self.applied = actcfg.apply(pl_module, self.policy, backend=self._backend(trainer), mpu=self.mpu)
         self._checked_step = False
+        self._peak = FirstStepPeak()
+        if mode != "auto":
+            self.applied = actcfg.apply(pl_module, self.policy, backend=self._backend(trainer),
+                                        mpu=self.mpu)
+            rank_zero_info(applied_line(self.applied))
+        elif self._plan is not None:
+            assert self.plan_file is not None
+            check_plan_fits_model(pl_module, self.policy, self._plan, self.plan_file)
+            self.applied = actcfg.apply(pl_module, self._plan, backend=Backend.TORCH)
+            rank_zero_info(applied_line(self.applied, plan_file=self.plan_file))
+        else:
+            _refuse_planning_in(trainer, pl_module)
+            self._waiting = True
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """DeepSpeed's globals still hold the policy when training starts."""
         refuse_drifted_deepspeed_state(self.applied, "at train start")
 
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        """With `mode: auto`, plan on the first batch; the first step's memory is measured
+        from here (on a GPU)."""
+        if self._waiting:
+            self._waiting = False
+            began = time.perf_counter()
+            view = _TrainingStepView(pl_module)
+            with trainer.precision_plugin.train_step_context(), _logs_thrown_away(trainer, pl_module):
+                planned = plan_model(view, self.policy, (batch, batch_idx), loss_fn=step_loss,
+                                     apply=actcfg.apply)
+            self.applied = actcfg.apply(pl_module, planned.policy, backend=Backend.TORCH)
+            self.applied.set_plan(planned.report)
+            took = self.plan_seconds = time.perf_counter() - began
+            if trainer.is_global_zero:
+                self.plan_written = write_plan(trainer.log_dir or trainer.default_root_dir,
+                                               planned.report.policy_yaml)
+            rank_zero_info(applied_line(self.applied, planned_in_s=took, written=self.plan_written))
+        if not self._checked_step:
+            self._peak.begin(pl_module)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: Any) -> None:
+        """The first step's peak, before the optimizer step (outside `memory_budget`)."""
+        if not self._checked_step:
+            self._peak.stop()
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
-        """After the first step: the policy's effects really happened."""
+        """After the first step: the policy's effects really happened, and what was measured."""
         if self._checked_step or self.applied is None:
             return
         self._checked_step = True
@@ -123,6 +224,8 @@ class ActivationPolicy(pl.Callback):
             "apply the policy with actcfg.apply to the submodule training_step calls")
         refuse_no_recompute(self.applied)
         refuse_drifted_deepspeed_state(self.applied, "after the first step")
+        self._peak.stop()  # where no optimizer step ran (manual optimization)
+        rank_zero_info(measured_line(self.applied, self._peak.peak))
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Undo everything the policy did to the LightningModule."""
@@ -135,9 +238,80 @@ class ActivationPolicy(pl.Callback):
 
     def remove(self) -> None:
         """Undo the policy now; a no-op when none is on."""
+        self._waiting = False
         applied, self.applied = self.applied, None
         if applied is not None:
             applied.remove()
+
+
+def step_loss(output: Any) -> Any:
+    """The loss Lightning runs backward from: what `training_step` returns, a tensor or a dict's
+    `loss`."""
+    if isinstance(output, dict):
+        output = output.get("loss")
+    if output is None:
+        raise PolicyApplyError(
+            "checkpoint.mode auto profiles steps with the loss training_step returns, and it "
+            "returned no loss (None, or a dict without `loss`) on the first batch: return the "
+            f"loss there, or pass the {PLAN_FILE_NAME} of a run that planned as plan_file=")
+    return output
+
+
+class _TrainingStepView(nn.Module):
+    """The LightningModule as the planner profiles it: the same children, parameters and
+    buffers under the same names (shared, not copied), with `training_step(batch, batch_idx)`
+    as its forward. The planner calls `model(*inputs)` and runs backward from the loss."""
+
+    def __init__(self, module: pl.LightningModule) -> None:
+        super().__init__()
+        self._parameters = module._parameters
+        self._buffers = module._buffers
+        self._non_persistent_buffers_set = module._non_persistent_buffers_set
+        self._modules = module._modules
+        self.step = module.training_step
+        self.train(module.training)
+
+    def forward(self, batch: Any, batch_idx: int) -> Any:
+        return self.step(batch, batch_idx)
+
+
+@contextlib.contextmanager
+def _logs_thrown_away(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iterator[None]:
+    """`self.log` in the profile's training_step runs lands in a result collection dropped after
+    it: the epoch's logged means hold the real steps only."""
+    # Lightning has no public switch for self.log; in 2.6.6 `trainer._results` is the training
+    # epoch loop's collection, and self.log files each value under `_current_fx_name`.
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    loop = trainer.fit_loop.epoch_loop
+    kept, fx = loop._results, pl_module._current_fx_name
+    scratch = _ResultCollection(training=True)
+    scratch.batch = kept.batch
+    loop._results = scratch
+    pl_module._current_fx_name = "training_step"
+    try:
+        yield
+    finally:
+        loop._results = kept
+        pl_module._current_fx_name = fx
+
+
+def _refuse_planning_in(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    """PolicyApplyError for a fit whose first batch cannot be planned on in this process."""
+    strategy = trainer.strategy
+    why = None
+    if not isinstance(strategy, SingleDeviceStrategy) or trainer.world_size > 1:
+        why = (f"the Trainer runs {type(strategy).__name__} over {trainer.world_size} "
+               "process(es), whose gradient hooks the profile's backward passes would fire")
+    elif not pl_module.automatic_optimization:
+        why = ("the LightningModule steps its optimizers itself (automatic_optimization is off), "
+               "so running training_step to profile it would step them")
+    if why is not None:
+        raise PolicyApplyError(
+            f"checkpoint.mode auto plans on the first batch, in the training process, and {why}: "
+            f"plan once in a one-device run (it writes {PLAN_FILE_NAME} to trainer.log_dir), "
+            "or with `actcfg plan CONFIG --model pkg.module:factory -o plan.yaml`, and pass the "
+            "file as ActivationPolicy(..., plan_file=...)")
 
 
 def _checkpoint_wrapped(module: Any) -> str:
