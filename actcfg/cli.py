@@ -74,18 +74,19 @@ def _err(text: str) -> None:
 def _write_file(path: str, text: str) -> None:
     """Write `text` to `path` whole or not at all: into a new file in the same folder, then
     renamed over `path` (os.replace), so a failed write (a full disk) leaves the old file as
-    it was. A symlink is followed and kept; a device or pipe (`-o /dev/stdout`) is written
-    in place, as there is no file to replace."""
+    it was. A symlink is followed and kept. A descriptor of this process (`-o /dev/stdout`,
+    `/dev/stderr`, `/dev/fd/N`) is written through, as the shell's redirection opened it (a
+    `>> build.log` keeps appending; a pipe works), and a device or FIFO is written in place:
+    there is no file to replace. A file this process may not write is refused, as the shell's
+    `>` refuses it, though renaming over it would need only the folder's permission."""
     import tempfile
 
-    target = os.path.realpath(path)
+    fd = _descriptor_named(path)
+    if fd is not None:
+        _write_descriptor(fd, path, text)
+        return
+    target, info = _output_target(path)
     try:
-        try:
-            info: os.stat_result | None = os.stat(target)
-        except FileNotFoundError:
-            info = None
-        if info is not None and stat.S_ISDIR(info.st_mode):
-            raise _Usage(f"cannot write {path}: it is a directory")
         if info is not None and not stat.S_ISREG(info.st_mode):
             with open(target, "w", encoding="utf-8") as handle:
                 handle.write(text)
@@ -109,6 +110,81 @@ def _write_file(path: str, text: str) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(temporary)
             raise
+    except OSError as e:
+        raise _Usage(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def _output_target(path: str) -> tuple[str, os.stat_result | None]:
+    """(the file `-o path` writes, its stat or None if it is new), or _Usage for a target that
+    cannot be written: a directory, a missing or unwritable folder, a file this process may not
+    write. Checked before any work that -o would lose (`actcfg plan` profiles for minutes)."""
+    target = os.path.realpath(path)
+    try:
+        try:
+            info: os.stat_result | None = os.stat(target)
+        except FileNotFoundError:
+            info = None
+        if info is not None and stat.S_ISDIR(info.st_mode):
+            raise _Usage(f"cannot write {path}: it is a directory")
+        if info is not None and stat.S_ISREG(info.st_mode):
+            # What the shell's `>` asks of the file itself (root may write anything, as there).
+            os.close(os.open(target, os.O_WRONLY))
+        folder = os.path.dirname(target) or "."
+        if info is None and not os.path.isdir(folder):
+            raise _Usage(f"cannot write {path}: No such file or directory")
+        if (info is None or stat.S_ISREG(info.st_mode)) and not os.access(folder, os.W_OK | os.X_OK):
+            raise _Usage(f"cannot write {path}: Permission denied")
+    except OSError as e:
+        raise _Usage(f"cannot write {path}: {e.strerror or e}") from None
+    return target, info
+
+
+def _check_output(path: str | None) -> None:
+    """_Usage now if `-o path` could not be written later."""
+    if path is None:
+        return
+    fd = _descriptor_named(path)
+    if fd is not None:
+        try:
+            os.fstat(fd)
+        except OSError as e:
+            raise _Usage(f"cannot write {path}: {e.strerror or e}") from None
+        return
+    _output_target(path)
+
+
+def _descriptor_named(path: str) -> int | None:
+    """The descriptor N when `path` names one of this process's own (`/dev/stdout`, `/dev/fd/N`,
+    `/proc/self/fd/N`, through symlinks), else None. Resolving such a path to a file, as
+    realpath does, would treat the shell's redirection target as a file to replace."""
+    import re
+
+    own = re.compile(rf"^/proc/(?:self|thread-self|{os.getpid()})(?:/task/\d+)?/fd/(\d+)$")
+    current = os.path.abspath(path)
+    for _ in range(40):  # the kernel's own limit on symlinks followed
+        folder, name = os.path.split(current)
+        where = os.path.join(os.path.realpath(folder), name)
+        found = own.match(where)
+        if found:
+            return int(found.group(1))
+        if not os.path.islink(where):
+            return None
+        current = os.path.normpath(os.path.join(os.path.dirname(where), os.readlink(where)))
+    return None
+
+
+def _write_descriptor(fd: int, path: str, text: str) -> None:
+    """`text` through descriptor `fd` of this process: stdout and stderr through their streams
+    (in order with what else is printed there), another descriptor as it is."""
+    for stream, name in ((sys.stdout, "standard output"), (sys.stderr, "standard error")):
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            if stream.fileno() == fd:
+                _write_stream(stream, name, text)
+                return
+    data = text.encode("utf-8")
+    try:
+        while data:
+            data = data[os.write(fd, data):]
     except OSError as e:
         raise _Usage(f"cannot write {path}: {e.strerror or e}") from None
 
@@ -589,6 +665,10 @@ def _plan(args: argparse.Namespace) -> int:
     from actcfg.schema import parse_size
 
     _refuse_output_over(args.output, [args.config])
+    try:  # before the minutes of profiling that a target -o cannot write would lose
+        _check_output(args.output)
+    except _Usage as e:
+        return _refuse_verify(args, 2, str(e))
     policy, diagnostics = check_file(args.config)
     if policy is None:
         return _refuse_verify(args, _exit_code(diagnostics) or 1, None, diagnostics)
@@ -624,11 +704,13 @@ def _plan(args: argparse.Namespace) -> int:
     from actcfg.plan import plan_model
     from actcfg.plan.profile import measure_steps
     from actcfg.runtime import apply
-    from actcfg.verify.factory import build
     from actcfg.verify.measure import BUILD_SEED
 
     torch.manual_seed(BUILD_SEED)
-    model, inputs = build(factory)
+    try:
+        model, inputs = _build(factory, args.model)
+    except _Usage as e:
+        return _refuse_verify(args, 2, str(e))
     if any(t.device.type != "cuda" for t in [*model.parameters(), *model.buffers()]):
         model.cuda()
     inputs = _to_device(inputs, next(model.parameters()).device)
@@ -640,8 +722,14 @@ def _plan(args: argparse.Namespace) -> int:
         step_ms, peak = measure_steps(model, inputs, steps=args.steps)
     report, budget = planned.report, planned.plan.budget
     ok = peak <= budget
+    unwritten = None
     if args.output:
-        _out(report.policy_yaml, args.output)
+        try:
+            _out(report.policy_yaml, args.output)
+        except _Usage as e:
+            # Checked before profiling, failed now (a full disk, /dev/full): the plan is printed
+            # below as without -o, so that the minutes spent on it are not lost.
+            unwritten, args.output = str(e), None
     if args.format == "json":
         import json
 
@@ -658,14 +746,30 @@ def _plan(args: argparse.Namespace) -> int:
         _out(json.dumps(body, indent=2) + "\n")
     else:
         _out(_render_plan(args, planned, step_ms, peak, ok))
+    if unwritten is not None:
+        _err(f"actcfg: error: {escape_controls(unwritten)}; the plan is printed on standard "
+             "output instead\n")
+        return 2
     return 0 if ok else 1
+
+
+def _build(factory: Callable[[], Any], spec: str) -> tuple[Any, Any]:
+    """The factory's (model, example_inputs), or _Usage with a sentence: the factory raised, or
+    returned something that is not a model with its inputs."""
+    from actcfg.verify.factory import build
+
+    try:
+        return build(factory)
+    except ActcfgError as e:
+        raise _Usage(f"--model {spec}: {e}") from None
+    except Exception as e:  # the user's code: say what it raised, never "internal error"
+        raise _Usage(f"--model {spec}: the model factory raised {type(e).__name__}: {e}") from None
 
 
 def _render_plan(args: argparse.Namespace, planned: Any, step_ms: float, peak: int, ok: bool) -> str:
     report, budget = planned.report, planned.plan.budget
 
-    def gib(n: float) -> str:
-        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    from actcfg.reports import memory_size as gib
 
     def off(measured: float, predicted: float) -> str:
         return f"{(predicted - measured) / measured:+.1%}" if measured else "n/a"

@@ -16,6 +16,7 @@ __all__ = [
     "OffloadReport",
     "PlanReport",
     "RuleReport",
+    "memory_size",
 ]
 
 
@@ -194,6 +195,17 @@ class PlanReport:
         return out
 
 
-def _size(n: int) -> str:
-    """GiB from one GiB up, MiB below: the unit GPU memory is read in."""
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+def memory_size(n: float) -> str:
+    """A byte count as GPU memory is read: `1.50 GiB`, `12.0 MiB`, `1.0 KiB`, `512 B`. Each unit
+    from one of it up, so that no size that is not 0 prints as 0 (a 1 KiB budget was `0.0 MiB`)."""
+    a = abs(n)
+    if a >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    if a >= 2**20:
+        return f"{n / 2**20:.1f} MiB"
+    if a >= 2**10:
+        return f"{n / 2**10:.1f} KiB"
+    return f"{n:.0f} B"
+
+
+_size = memory_size

@@ -35,6 +35,7 @@ from typing import Any
 
 from actcfg.errors import PlanError
 from actcfg.plan.model import OFFLOADS, Profile
+from actcfg.reports import memory_size as _gib
 
 __all__ = ["MAX_FRONT", "Plan", "predict", "smallest_peak", "solve"]
 
@@ -275,7 +276,3 @@ def solve(profile: Profile, budget: int, *, max_inflight: tuple[int, ...] = (1, 
     _, _, m, picked = found
     step, peak = predict(profile, picked, m)
     return Plan(tuple(b.name for b in profile.blocks), picked, m, step, peak, budget)
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

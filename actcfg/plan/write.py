@@ -11,6 +11,7 @@ from typing import Any
 
 from actcfg.plan.model import OFFLOADS, RULE_OF, Profile
 from actcfg.plan.solve import Plan
+from actcfg.reports import memory_size
 from actcfg.schema import format_size
 
 __all__ = ["policy_text"]
@@ -48,7 +49,7 @@ def policy_text(plan: Plan, profile: Profile, source: Any, *, origin: str = "") 
         f"# Written by actcfg plan{f' from {origin}' if origin else ''}: the fastest per-module "
         f"choices whose predicted peak fits memory_budget {format_size(plan.budget)}",
         f"# ({profile.device} profile; without a policy the step took {profile.plain_step_ms:.1f} ms "
-        f"and peaked at {profile.plain_peak / 2**30:.2f} GiB). Check it with `actcfg verify`.",
+        f"and peaked at {memory_size(profile.plain_peak)}). Check it with `actcfg verify`.",
         "version: 1",
         f"backend: {source.backend.value}",
         "checkpoint:",
