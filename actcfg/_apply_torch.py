@@ -97,8 +97,9 @@ def _offload_device(model: nn.Module) -> torch.device:
     )
 
 
-def resolve_ops(names: tuple[str, ...]) -> list[Any]:
-    """`aten.mm` -> every overload of `torch.ops.aten.mm`; `aten.mm.default` -> that overload."""
+def resolve_ops(names: tuple[str, ...], where: str = "checkpoint.save_ops") -> list[Any]:
+    """`aten.mm` -> every overload of `torch.ops.aten.mm`; `aten.mm.default` -> that overload.
+    `where`: the key the names came from, for the error (`checkpoint.rules.0.save_ops`)."""
     out: list[Any] = []
     for name in names:
         ns, _, rest = name.partition(".")
@@ -111,7 +112,7 @@ def resolve_ops(names: tuple[str, ...]) -> list[Any]:
                 out.extend(getattr(packet, o) for o in packet.overloads())
         except (AttributeError, RuntimeError) as e:
             raise PolicyApplyError(
-                f"checkpoint.save_ops: {name!r} is not an op torch {torch.__version__} knows; "
+                f"{where}: {name!r} is not an op torch {torch.__version__} knows; "
                 "write `namespace.op` or `namespace.op.overload`, such as `aten.mm` "
                 "(see torch.ops.aten)"
             ) from e
@@ -175,7 +176,7 @@ def _apply_rules(model: nn.Module, policy: Policy, plan: RulesPlan, offload: Off
         if checkpoint is None:
             continue
         if i not in impls:
-            ops = (resolve_ops(checkpoint.selective_save_ops)
+            ops = (resolve_ops(checkpoint.selective_save_ops, f"checkpoint.rules.{i}.save_ops")
                    if checkpoint.selective_save_ops is not None else None)
             impls[i] = _Checkpointed(checkpoint, ops, (handle.counters, handle.rule_counters[i]))
         override_forward(handle.undo, module, impls[i], f"checkpointed ({rule.checkpoint}, rule {i})")

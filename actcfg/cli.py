@@ -683,6 +683,9 @@ def _plan(args: argparse.Namespace) -> int:
             budget = parse_size(args.budget)
         except ValueError as e:
             return _refuse_verify(args, 2, f"--budget {args.budget!r}: {e}")
+        if budget == 0:  # the file's memory_budget is refused at 0 by the schema; so is this
+            return _refuse_verify(args, 2, f"--budget {args.budget!r}: a budget of 0 bytes leaves "
+                                           "no room for a training step")
         policy = policy.model_copy(update={"memory_budget": budget})
     if args.steps < 1:
         return _refuse_verify(args, 2, f"--steps must be at least 1, got {args.steps}")
