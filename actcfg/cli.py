@@ -385,6 +385,14 @@ def _import(args: argparse.Namespace) -> int:
         return _exit_code(failed)
     if args.num_checkpoints is not None and args.num_checkpoints < 1:
         raise _Usage(f"--num-checkpoints must be at least 1, got {args.num_checkpoints}")
+    if doc.data == {}:  # `{}`: not yet written, or the wrong file; DeepSpeed would not start
+        empty = [Diagnostic(args.file, 1, 1, "bad-value", "error",
+                            "the ds_config is an empty object: DeepSpeed refuses it (`Either "
+                            "train_batch_size or train_micro_batch_size_per_gpu needs to be "
+                            "provided`), and it says nothing about activation checkpointing",
+                            "pass the ds_config your training runs with")]
+        _report(empty)
+        return 1
     imported = import_ds_config(doc.data, modules=args.modules, external=args.external,
                                 num_checkpoints=args.num_checkpoints)
     diagnostics = _in_file_order(_problems(doc, args.file)
@@ -408,7 +416,10 @@ def _import_trainer(args: argparse.Namespace) -> int:
         raise _Usage("--modules, --external and --num-checkpoints are for a ds_config (--backend deepspeed)")
     _refuse_output_over(args.output, [args.file])
     try:
-        doc = read_document(args.file)
+        # As transformers reads the file: HfArgumentParser.parse_yaml_file is yaml.safe_load
+        # (YAML 1.1: `gradient_checkpointing: yes` is true). Lightning's keywords come from
+        # Python or its CLI, not one YAML reader: actcfg's own (only true/false are booleans).
+        doc = read_document(args.file, yaml11=hf)
     except LoadFailure as e:
         failure = [failure_diagnostic(args.file, e)]
         if e.code == "yaml-not-mapping":  # the loader's hint speaks of policies
@@ -417,6 +428,10 @@ def _import_trainer(args: argparse.Namespace) -> int:
                                   f"write the {what} as a YAML or JSON mapping")]
         _report(failure)
         return _exit_code(failure)
+    problems = _problems(doc, args.file)
+    if problems:  # duplicate keys: which one the trainer keeps is its parser's accident
+        _report(problems)
+        return 1
     try:
         imported = (import_training_arguments if hf else import_strategy_keywords)(doc.data)
     except TranslationError as e:
