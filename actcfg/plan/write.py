@@ -14,14 +14,25 @@ from actcfg.plan.solve import Plan
 from actcfg.reports import memory_size
 from actcfg.schema import format_size
 
-__all__ = ["policy_text"]
+__all__ = ["exact_pattern", "policy_text"]
 
 _PLAIN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
+# Plain scalars some YAML reader takes for a boolean or null (YAML 1.1 included): quoted.
+_NOT_STRINGS = frozenset({"true", "false", "null", "yes", "no", "on", "off", "y", "n"})
 
 
 def _scalar(text: str) -> str:
-    # A module name as YAML reads it back: plain when it is a dotted identifier, else quoted.
-    return text if _PLAIN.match(text) else json.dumps(text)
+    # A pattern as YAML reads it back: plain when it is a dotted identifier, else quoted.
+    if _PLAIN.match(text) and text.lower() not in _NOT_STRINGS:
+        return text
+    return json.dumps(text, ensure_ascii=False)
+
+
+def exact_pattern(name: str) -> str:
+    """The fnmatch pattern that matches the qualified name `name` and no other: `[`, `*` and
+    `?` in it (a ModuleDict key such as `b[12]`) each written as a one-character set (`[[]`).
+    A plan names modules, and `b[12]` as a pattern would take `b1` and `b2` instead."""
+    return "".join(f"[{c}]" if c in "[*?" else c for c in name)
 
 
 def _mib_up(n: int) -> str:
@@ -59,7 +70,7 @@ def policy_text(plan: Plan, profile: Profile, source: Any, *, origin: str = "") 
     for choice in order:
         rule = ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}"
                          for k, v in RULE_OF[choice].items())
-        names = ", ".join(_scalar(n) for n in members[choice])
+        names = ", ".join(_scalar(exact_pattern(n)) for n in members[choice])
         lines.append(f"    - {{modules: [{names}], {rule}}}")
     offloads = any(c in OFFLOADS for c in plan.choices)
     if offloads:
