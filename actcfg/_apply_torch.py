@@ -221,18 +221,28 @@ class _OffloadScope(NotPicklable):
         self.opened_at_group: Any = None
         self.group_names: dict[int, str] = {}
         """Group index -> the module that opened it, in the last step."""
+        self.own_group: tuple[str, bool] | None = None
+        """(name, offload) when the module whose forward is the step is a group itself (a rule
+        that takes the root): the step marks it, as a pre-hook would open a second step."""
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _OffloadScope:
         return self
 
     def _training(self, module: nn.Module) -> bool:
-        if not (module.training and torch.is_grad_enabled()):
+        # By grad mode, not module.training: what autograd saves is what fills the GPU, and it
+        # saves under grad mode whatever the module's mode (training in eval() mode, to keep
+        # dropout off, is common). The checkpoint runs by grad mode too, and DeepSpeed's
+        # cpu_checkpointing offloads regardless of mode; an eval()-mode step that offloaded
+        # nothing here was silent. Evaluation under torch.no_grad()/inference_mode saves
+        # nothing, and is not offloaded.
+        if not torch.is_grad_enabled():
             return False
         if self.removed:
             raise PolicyApplyError(
                 "this model is a copy of a model whose actcfg policy was removed, and its offload "
-                "engine is closed; apply the policy to the original again, or train the copy in "
-                "torch.no_grad()/eval mode"
+                "engine is closed; apply the policy to the original again, run the copy under "
+                "torch.no_grad(), or take the policy off the copy with "
+                "actcfg.runtime.strip_policy(copy)"
             )
         return True
 
@@ -242,6 +252,10 @@ class _OffloadScope(NotPicklable):
         self._close_group_step()  # one a KeyboardInterrupt left open
         with self.engine.step():
             self._begin()
+            if self.own_group is not None:
+                name, offload = self.own_group
+                self.engine.mark_group(offload)
+                self.group_names[self.engine.open_group_index] = name
             return call_inner(module, previous, *args, **kwargs)
 
     def _begin(self) -> None:
@@ -329,7 +343,11 @@ def _apply_offload(model: nn.Module, plan: OffloadPlan, selected: list[tuple[str
     handle.engine = engine
     handle.offload_group_names = scope.group_names
     handle.undo.push(scope.close)
+    within, enclosing = _enclosing(model, [n for n, _ in groups])
     for k, (name, module) in enumerate(groups):
+        if module is enclosing:  # the only group (nested ones are refused): the step marks it
+            scope.own_group = (name, True if offloads is None else offloads[k])
+            continue
         mark = functools.partial(scope.mark, name=name,
                                  offload=True if offloads is None else offloads[k])
         # prepend: the boundary is marked before any other pre-hook of the block saves tensors.
@@ -337,10 +355,9 @@ def _apply_offload(model: nn.Module, plan: OffloadPlan, selected: list[tuple[str
         if rules:
             # what the modules between two groups save stays on the device
             handle.undo.push(module.register_forward_hook(scope.leave).remove)
-    if groups:
+    if groups and groups[-1][1] is not enclosing:
         last = groups[-1][1]
         handle.undo.push(last.register_forward_hook(scope.after_last, always_call=True).remove)
-    within, enclosing = _enclosing(model, [n for n, _ in groups])
     override_forward(handle.undo, enclosing, scope, "offload scope")
     handle.set_offload(OffloadReport(
         engine=plan.engine, scope=plan.scope, pin=plan.pin and device.type == "cuda",
