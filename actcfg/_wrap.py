@@ -6,6 +6,12 @@ Module selection recognises modules by what they are (every class of their MRO, 
 callable in the instance's `__dict__`: module, parameter and state_dict names stay unchanged,
 `copy.deepcopy` rebinds it to the copy, torch.compile traces through it, and pickling an
 applied model stops with a sentence instead of saving actcfg's machinery with the weights.
+
+A deep copy of an applied model carries the policy, as a copy of a model wrapped by torch's
+checkpoint_wrapper or with Hugging Face checkpointing on stays checkpointed: a copy that trains
+keeps the memory it was promised. The copy has no handle of its own (the original's `remove()`
+takes back the original's edits only), so `strip_overrides` (`actcfg.runtime.strip_policy`)
+takes actcfg's edits off a copy.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ __all__ = [
     "refuse_stacked_checkpointing",
     "select_by_rules",
     "select_modules",
+    "strip_overrides",
 ]
 
 log = logging.getLogger("actcfg")
@@ -53,13 +60,16 @@ class Undo(Protocol):
 
 
 class NotPicklable:
-    """Refuses pickling with a sentence; `copy.deepcopy` still copies (see each subclass)."""
+    """Refuses pickling with a sentence; `copy.deepcopy` still copies (see each subclass).
+    What actcfg puts on a module (overrides, markers, the offload scope whose methods are
+    hooks) is one of these, which is how `strip_overrides` recognises it."""
 
     def __reduce__(self) -> Any:
         raise ActcfgError(
             "this model carries an actcfg policy, which cannot be pickled with it (torch.save of "
             "the whole model): save model.state_dict() instead (names are unchanged under "
-            "actcfg), or call remove() on the handle actcfg.apply returned first"
+            "actcfg), or call remove() on the handle actcfg.apply returned first (on a "
+            "copy.deepcopy of an applied model, actcfg.runtime.strip_policy(copy))"
         )
 
 
@@ -270,6 +280,49 @@ def override_forward(undo: Undo, module: nn.Module, impl: Callable[..., Any], wh
                 d[key] = value
 
     undo.push(undo_it)
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
+# Where torch keeps a hook's options, by the hook's id (absent in older torch: skipped).
+_HOOK_OPTIONS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+                 "_forward_hooks_always_called")
+
+
+def _actcfg_hook(hook: Any) -> bool:
+    """True for a hook actcfg registered: a method (or a partial of one) of a NotPicklable."""
+    fn = getattr(hook, "func", hook)  # functools.partial
+    return isinstance(getattr(fn, "__self__", None), NotPicklable)
+
+
+def strip_overrides(model: nn.Module) -> int:
+    """Take every actcfg edit off `model` and its submodules: forward overrides (each back to
+    the forward it replaced), actcfg's forward hooks, and the markers. Returns how many edits it
+    took off. For a deep copy of an applied model, which has no handle of its own; the caller
+    refuses a model whose policy a live handle still holds (its `remove()` is the way there)."""
+    removed = 0
+    for module in model.modules():
+        d = module.__dict__
+        while isinstance(d.get("forward"), _BoundForward):
+            previous = d["forward"].previous
+            if previous is None:
+                del d["forward"]
+            else:
+                d["forward"] = previous
+            removed += 1
+        for key in (WRAPPED, APPLIED):
+            if isinstance(d.get(key), Marker):
+                del d[key]
+                removed += 1
+        for name in _HOOK_DICTS:
+            hooks = getattr(module, name, None)
+            if not hooks:
+                continue
+            for hook_id in [i for i, hook in hooks.items() if _actcfg_hook(hook)]:
+                del hooks[hook_id]
+                removed += 1
+                for option in _HOOK_OPTIONS:
+                    getattr(module, option, {}).pop(hook_id, None)
+    return removed
 
 
 def call_with_flat_tensors(

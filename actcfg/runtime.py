@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +20,7 @@ from torch import nn
 
 from actcfg._apply_deepspeed import apply_deepspeed, current_state, mpu_from_group
 from actcfg._apply_torch import apply_torch, block_groups, resolve_ops
-from actcfg._wrap import APPLIED, WRAPPED, Marker, select_modules
+from actcfg._wrap import APPLIED, WRAPPED, Marker, select_modules, strip_overrides
 from actcfg.errors import PolicyApplyError
 from actcfg.reports import (
     CheckpointCounters,
@@ -40,6 +41,7 @@ __all__ = [
     "mpu_from_group",
     "resolve_ops",
     "select_modules",
+    "strip_policy",
 ]
 
 log = logging.getLogger("actcfg")
@@ -230,6 +232,7 @@ class AppliedPolicy:
         if self._removed:
             return
         self._removed = True
+        _LIVE.discard(self)
         errors = self.undo.run()
         if errors:
             raise PolicyApplyError(f"remove() could not undo everything: {errors[0]}") from errors[0]
@@ -303,8 +306,37 @@ def apply(model: nn.Module, cfg: Any, *, backend: Backend | str | None = None,
     except BaseException:
         handle.remove()
         raise
+    _LIVE.add(handle)
     log.info(handle.summary())
     return handle
+
+
+_LIVE: weakref.WeakSet[AppliedPolicy] = weakref.WeakSet()
+"""Handles not yet removed: `strip_policy` leaves their models to their own `remove()`."""
+
+
+def strip_policy(model: nn.Module) -> int:
+    """Take actcfg's edits off `model`, a `copy.deepcopy` of an applied model: its forward
+    overrides, offload hooks and markers; returns how many edits were taken off (0: it carried
+    none). The copy then computes plainly, can be saved with `torch.save` and applied again.
+
+    A deep copy carries the policy (a copy that trains keeps its checkpointing, as copies of
+    torch's checkpoint_wrapper do) but no handle of its own: the original's `remove()` undoes
+    the original only. This is the copy's way back. A model (or a module of one) whose policy
+    a handle still holds is refused: call that handle's `remove()`, which also restores what
+    lives outside the model (DeepSpeed's settings, `use_cache`). What a copy inherited outside
+    its modules stays as it is: a Hugging Face config copied with `use_cache` off keeps it off.
+    """
+    if not isinstance(model, nn.Module):
+        raise PolicyApplyError(f"strip_policy() needs a torch.nn.Module, got {type(model).__name__}")
+    mine = {id(m) for m in model.modules()}
+    for handle in list(_LIVE):
+        if not handle.removed and any(id(m) in mine for m in handle.model.modules()):
+            raise PolicyApplyError(
+                "this model's actcfg policy is held by a live handle (the one apply() returned): "
+                "call remove() on it, which undoes everything apply did; strip_policy is for a "
+                "copy.deepcopy of an applied model, which has no handle of its own")
+    return strip_overrides(model)
 
 
 def _runtime_backend(value: Backend | str) -> Backend:
@@ -325,7 +357,8 @@ def _refuse_if_applied(model: nn.Module) -> None:
             raise PolicyApplyError(
                 f"{where} already carries an actcfg policy ({carried}); "
                 "call remove() on the handle apply() returned before applying again "
-                "(a copy.deepcopy of an applied model carries the policy with it)"
+                "(a copy.deepcopy of an applied model carries the policy with it: "
+                "actcfg.runtime.strip_policy(copy) takes it off)"
             )
         if "checkpoint" in _composable_registry(module):
             raise PolicyApplyError(

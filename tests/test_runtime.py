@@ -292,7 +292,7 @@ def test_applying_twice_is_an_error_and_wraps_nothing_more(mode):
     assert str(info.value) == (
         f"the model already carries an actcfg policy ({handle.summary()}); call remove() on the "
         "handle apply() returned before applying again (a copy.deepcopy of an applied model "
-        "carries the policy with it)"
+        "carries the policy with it: actcfg.runtime.strip_policy(copy) takes it off)"
     )
     assert module_state(model) == state
 
