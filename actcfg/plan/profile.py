@@ -39,6 +39,7 @@ from actcfg.errors import PlanError, VerifyError
 from actcfg.offload import OffloadWarning, loopback_enabled
 from actcfg.plan.model import CHOICES, COUNTERPART, OFFLOADS, RULE_OF, BlockProfile, Option, Profile
 from actcfg.plan.solve import predict
+from actcfg.plan.write import exact_pattern
 from actcfg.schema import DEFAULT_SAVE_OPS
 from actcfg.verify.factory import split_inputs
 
@@ -443,7 +444,9 @@ def _restored(model: nn.Module) -> Iterator[None]:
 
 
 def _uniform(names: Sequence[str], choice: str, pin: bool, pin_budget: int | None) -> dict[str, Any]:
-    section: dict[str, Any] = {"mode": "rules", "rules": [{"modules": list(names), **RULE_OF[choice]}]}
+    # Names as exact patterns: a ModuleDict key `r[!a]` as a pattern matches `rb`, not itself.
+    rule = {"modules": [exact_pattern(n) for n in names], **RULE_OF[choice]}
+    section: dict[str, Any] = {"mode": "rules", "rules": [rule]}
     data: dict[str, Any] = {"version": 1, "checkpoint": section}
     if choice in OFFLOADS:
         section.update(keep_last=0, max_inflight=1)
