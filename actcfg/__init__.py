@@ -36,6 +36,7 @@ __all__ = [
     "__version__",
     "apply",
     "load",
+    "strip_policy",
     "translate",
     "verify",
 ]
@@ -63,6 +64,14 @@ def apply(model: Any, cfg: Any, *, backend: Backend | str | None = None, mpu: An
     from actcfg.api import apply as _apply
 
     return _apply(model, cfg, backend=backend, mpu=mpu, inputs=inputs, loss_fn=loss_fn)
+
+
+def strip_policy(model: Any) -> int:
+    """Take actcfg's edits off a `copy.deepcopy` of an applied model (which has no handle of
+    its own); returns how many were taken off (needs torch)."""
+    from actcfg.runtime.applying import strip_policy as _strip_policy
+
+    return _strip_policy(model)
 
 
 def verify(model_factory: Any, cfg: Any, **kwargs: Any) -> Any:

@@ -74,18 +74,19 @@ def _err(text: str) -> None:
 def _write_file(path: str, text: str) -> None:
     """Write `text` to `path` whole or not at all: into a new file in the same folder, then
     renamed over `path` (os.replace), so a failed write (a full disk) leaves the old file as
-    it was. A symlink is followed and kept; a device or pipe (`-o /dev/stdout`) is written
-    in place, as there is no file to replace."""
+    it was. A symlink is followed and kept. A descriptor of this process (`-o /dev/stdout`,
+    `/dev/stderr`, `/dev/fd/N`) is written through, as the shell's redirection opened it (a
+    `>> build.log` keeps appending; a pipe works), and a device or FIFO is written in place:
+    there is no file to replace. A file this process may not write is refused, as the shell's
+    `>` refuses it, though renaming over it would need only the folder's permission."""
     import tempfile
 
-    target = os.path.realpath(path)
+    fd = _descriptor_named(path)
+    if fd is not None:
+        _write_descriptor(fd, path, text)
+        return
+    target, info = _output_target(path)
     try:
-        try:
-            info: os.stat_result | None = os.stat(target)
-        except FileNotFoundError:
-            info = None
-        if info is not None and stat.S_ISDIR(info.st_mode):
-            raise _Usage(f"cannot write {path}: it is a directory")
         if info is not None and not stat.S_ISREG(info.st_mode):
             with open(target, "w", encoding="utf-8") as handle:
                 handle.write(text)
@@ -109,6 +110,81 @@ def _write_file(path: str, text: str) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(temporary)
             raise
+    except OSError as e:
+        raise _Usage(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def _output_target(path: str) -> tuple[str, os.stat_result | None]:
+    """(the file `-o path` writes, its stat or None if it is new), or _Usage for a target that
+    cannot be written: a directory, a missing or unwritable folder, a file this process may not
+    write. Checked before any work that -o would lose (`actcfg plan` profiles for minutes)."""
+    target = os.path.realpath(path)
+    try:
+        try:
+            info: os.stat_result | None = os.stat(target)
+        except FileNotFoundError:
+            info = None
+        if info is not None and stat.S_ISDIR(info.st_mode):
+            raise _Usage(f"cannot write {path}: it is a directory")
+        if info is not None and stat.S_ISREG(info.st_mode):
+            # What the shell's `>` asks of the file itself (root may write anything, as there).
+            os.close(os.open(target, os.O_WRONLY))
+        folder = os.path.dirname(target) or "."
+        if info is None and not os.path.isdir(folder):
+            raise _Usage(f"cannot write {path}: No such file or directory")
+        if (info is None or stat.S_ISREG(info.st_mode)) and not os.access(folder, os.W_OK | os.X_OK):
+            raise _Usage(f"cannot write {path}: Permission denied")
+    except OSError as e:
+        raise _Usage(f"cannot write {path}: {e.strerror or e}") from None
+    return target, info
+
+
+def _check_output(path: str | None) -> None:
+    """_Usage now if `-o path` could not be written later."""
+    if path is None:
+        return
+    fd = _descriptor_named(path)
+    if fd is not None:
+        try:
+            os.fstat(fd)
+        except OSError as e:
+            raise _Usage(f"cannot write {path}: {e.strerror or e}") from None
+        return
+    _output_target(path)
+
+
+def _descriptor_named(path: str) -> int | None:
+    """The descriptor N when `path` names one of this process's own (`/dev/stdout`, `/dev/fd/N`,
+    `/proc/self/fd/N`, through symlinks), else None. Resolving such a path to a file, as
+    realpath does, would treat the shell's redirection target as a file to replace."""
+    import re
+
+    own = re.compile(rf"^/proc/(?:self|thread-self|{os.getpid()})(?:/task/\d+)?/fd/(\d+)$")
+    current = os.path.abspath(path)
+    for _ in range(40):  # the kernel's own limit on symlinks followed
+        folder, name = os.path.split(current)
+        where = os.path.join(os.path.realpath(folder), name)
+        found = own.match(where)
+        if found:
+            return int(found.group(1))
+        if not os.path.islink(where):
+            return None
+        current = os.path.normpath(os.path.join(os.path.dirname(where), os.readlink(where)))
+    return None
+
+
+def _write_descriptor(fd: int, path: str, text: str) -> None:
+    """`text` through descriptor `fd` of this process: stdout and stderr through their streams
+    (in order with what else is printed there), another descriptor as it is."""
+    for stream, name in ((sys.stdout, "standard output"), (sys.stderr, "standard error")):
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            if stream.fileno() == fd:
+                _write_stream(stream, name, text)
+                return
+    data = text.encode("utf-8")
+    try:
+        while data:
+            data = data[os.write(fd, data):]
     except OSError as e:
         raise _Usage(f"cannot write {path}: {e.strerror or e}") from None
 
@@ -309,6 +385,14 @@ def _import(args: argparse.Namespace) -> int:
         return _exit_code(failed)
     if args.num_checkpoints is not None and args.num_checkpoints < 1:
         raise _Usage(f"--num-checkpoints must be at least 1, got {args.num_checkpoints}")
+    if doc.data == {}:  # `{}`: not yet written, or the wrong file; DeepSpeed would not start
+        empty = [Diagnostic(args.file, 1, 1, "bad-value", "error",
+                            "the ds_config is an empty object: DeepSpeed refuses it (`Either "
+                            "train_batch_size or train_micro_batch_size_per_gpu needs to be "
+                            "provided`), and it says nothing about activation checkpointing",
+                            "pass the ds_config your training runs with")]
+        _report(empty)
+        return 1
     imported = import_ds_config(doc.data, modules=args.modules, external=args.external,
                                 num_checkpoints=args.num_checkpoints)
     diagnostics = _in_file_order(_problems(doc, args.file)
@@ -332,7 +416,10 @@ def _import_trainer(args: argparse.Namespace) -> int:
         raise _Usage("--modules, --external and --num-checkpoints are for a ds_config (--backend deepspeed)")
     _refuse_output_over(args.output, [args.file])
     try:
-        doc = read_document(args.file)
+        # As transformers reads the file: HfArgumentParser.parse_yaml_file is yaml.safe_load
+        # (YAML 1.1: `gradient_checkpointing: yes` is true). Lightning's keywords come from
+        # Python or its CLI, not one YAML reader: actcfg's own (only true/false are booleans).
+        doc = read_document(args.file, yaml11=hf)
     except LoadFailure as e:
         failure = [failure_diagnostic(args.file, e)]
         if e.code == "yaml-not-mapping":  # the loader's hint speaks of policies
@@ -341,6 +428,10 @@ def _import_trainer(args: argparse.Namespace) -> int:
                                   f"write the {what} as a YAML or JSON mapping")]
         _report(failure)
         return _exit_code(failure)
+    problems = _problems(doc, args.file)
+    if problems:  # duplicate keys: which one the trainer keeps is its parser's accident
+        _report(problems)
+        return 1
     try:
         imported = (import_training_arguments if hf else import_strategy_keywords)(doc.data)
     except TranslationError as e:
@@ -589,6 +680,10 @@ def _plan(args: argparse.Namespace) -> int:
     from actcfg.policy.schema import parse_size
 
     _refuse_output_over(args.output, [args.config])
+    try:  # before the minutes of profiling that a target -o cannot write would lose
+        _check_output(args.output)
+    except _Usage as e:
+        return _refuse_verify(args, 2, str(e))
     policy, diagnostics = check_file(args.config)
     if policy is None:
         return _refuse_verify(args, _exit_code(diagnostics) or 1, None, diagnostics)
@@ -603,6 +698,9 @@ def _plan(args: argparse.Namespace) -> int:
             budget = parse_size(args.budget)
         except ValueError as e:
             return _refuse_verify(args, 2, f"--budget {args.budget!r}: {e}")
+        if budget == 0:  # the file's memory_budget is refused at 0 by the schema; so is this
+            return _refuse_verify(args, 2, f"--budget {args.budget!r}: a budget of 0 bytes leaves "
+                                           "no room for a training step")
         policy = policy.model_copy(update={"memory_budget": budget})
     if args.steps < 1:
         return _refuse_verify(args, 2, f"--steps must be at least 1, got {args.steps}")
@@ -624,11 +722,13 @@ def _plan(args: argparse.Namespace) -> int:
     from actcfg.plan import plan_model
     from actcfg.plan.profile import measure_steps
     from actcfg.api import apply
-    from actcfg.verification.factory import build
     from actcfg.verification.measure import BUILD_SEED
 
     torch.manual_seed(BUILD_SEED)
-    model, inputs = build(factory)
+    try:
+        model, inputs = _build(factory, args.model)
+    except _Usage as e:
+        return _refuse_verify(args, 2, str(e))
     if any(t.device.type != "cuda" for t in [*model.parameters(), *model.buffers()]):
         model.cuda()
     inputs = _to_device(inputs, next(model.parameters()).device)
@@ -640,8 +740,14 @@ def _plan(args: argparse.Namespace) -> int:
         step_ms, peak = measure_steps(model, inputs, steps=args.steps)
     report, budget = planned.report, planned.plan.budget
     ok = peak <= budget
+    unwritten = None
     if args.output:
-        _out(report.policy_yaml, args.output)
+        try:
+            _out(report.policy_yaml, args.output)
+        except _Usage as e:
+            # Checked before profiling, failed now (a full disk, /dev/full): the plan is printed
+            # below as without -o, so that the minutes spent on it are not lost.
+            unwritten, args.output = str(e), None
     if args.format == "json":
         import json
 
@@ -658,35 +764,51 @@ def _plan(args: argparse.Namespace) -> int:
         _out(json.dumps(body, indent=2) + "\n")
     else:
         _out(_render_plan(args, planned, step_ms, peak, ok))
+    if unwritten is not None:
+        _err(f"actcfg: error: {escape_controls(unwritten)}; the plan is printed on standard "
+             "output instead\n")
+        return 2
     return 0 if ok else 1
+
+
+def _build(factory: Callable[[], Any], spec: str) -> tuple[Any, Any]:
+    """The factory's (model, example_inputs), or _Usage with a sentence: the factory raised, or
+    returned something that is not a model with its inputs."""
+    from actcfg.verification.factory import build
+
+    try:
+        return build(factory)
+    except ActcfgError as e:
+        raise _Usage(f"--model {spec}: {e}") from None
+    except Exception as e:  # the user's code: say what it raised, never "internal error"
+        raise _Usage(f"--model {spec}: the model factory raised {type(e).__name__}: {e}") from None
 
 
 def _render_plan(args: argparse.Namespace, planned: Any, step_ms: float, peak: int, ok: bool) -> str:
     report, budget = planned.report, planned.plan.budget
 
-    def gib(n: float) -> str:
-        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    from actcfg.runtime.reports import memory_size
 
     def off(measured: float, predicted: float) -> str:
         return f"{(predicted - measured) / measured:+.1%}" if measured else "n/a"
 
     width = max(len(m) for m, _ in report.choices)
-    lines = [f"actcfg plan: {len(report.choices)} modules, memory_budget {gib(budget)}, "
+    lines = [f"actcfg plan: {len(report.choices)} modules, memory_budget {memory_size(budget)}, "
              f"profiled on {report.device}", ""]
     lines += [f"{m.ljust(width)}  {c}" for m, c in report.choices]
     lines += [
         "",
         f"step time  predicted {report.predicted_step_time_ms:.1f} ms, measured {step_ms:.1f} ms "
         f"(median of {args.steps}; prediction {off(step_ms, report.predicted_step_time_ms)})",
-        f"peak       predicted {gib(report.predicted_peak)}, measured {gib(peak)} "
+        f"peak       predicted {memory_size(report.predicted_peak)}, measured {memory_size(peak)} "
         f"(prediction {off(peak, report.predicted_peak)})",
-        f"plain      {report.plain_step_time_ms:.1f} ms, {gib(report.plain_peak)}",
+        f"plain      {report.plain_step_time_ms:.1f} ms, {memory_size(report.plain_peak)}",
         ("offload    none" if not any(c in ("offload", "full_offload") for _, c in report.choices) else
          f"offload    max_inflight {report.max_inflight}; {report.kept_at_turn} modules after the "
          "last offloaded one stay on the GPU at the turn"),
         "",
-        (f"PASS  memory_budget  the measured peak {gib(peak)} is within {gib(budget)}" if ok else
-         f"FAIL  memory_budget  the measured peak {gib(peak)} is above {gib(budget)}: the "
+        (f"PASS  memory_budget  the measured peak {memory_size(peak)} is within {memory_size(budget)}" if ok else
+         f"FAIL  memory_budget  the measured peak {memory_size(peak)} is above {memory_size(budget)}: the "
          "profile did not predict this step; lower memory_budget, or profile with the batch you "
          "train with"),
     ]

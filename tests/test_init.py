@@ -11,7 +11,7 @@ import actcfg
 def test_every_public_name_is_what_it_says():
     import inspect
 
-    functions = {"apply", "load", "translate", "verify"}
+    functions = {"apply", "load", "strip_policy", "translate", "verify"}
     errors = {n for n in actcfg.__all__ if n.endswith("Error")}
     assert {n for n in actcfg.__all__ if inspect.isfunction(getattr(actcfg, n))} == functions
     assert all(issubclass(getattr(actcfg, n), actcfg.ActcfgError) for n in errors)

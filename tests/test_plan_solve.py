@@ -58,9 +58,10 @@ def test_exact_choices_on_a_hand_checkable_stack(budget, choices, peak, extra):
 
 
 def test_no_plan_fits_says_so_with_the_smallest_peak():
-    with pytest.raises(PlanError, match=r"^no plan fits memory_budget 0\.0 MiB: the smallest peak any choice "
-                       r"of keep, full per module reaches is 0\.0 MiB \(plain: 0\.0 MiB\)\. Raise memory_budget "
-                       r"to at least 0\.0 MiB, or plan over more or finer modules \(`checkpoint\.modules`\)$") as info:
+    # Sizes in a unit that shows them: this read "0.0 MiB ... raise to at least 0.0 MiB" (issue 20).
+    with pytest.raises(PlanError, match=r"^no plan fits memory_budget 13 B: the smallest peak any choice "
+                       r"of keep, full per module reaches is 14 B \(plain: 0 B\)\. Raise memory_budget "
+                       r"to at least 14 B, or plan over more or finer modules \(`checkpoint\.modules`\)$") as info:
         solve(HAND, 13)
     assert info.value.smallest_peak == 14 == smallest_peak(HAND)
 

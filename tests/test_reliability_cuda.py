@@ -70,7 +70,7 @@ def test_200_steps_memory_flat_and_gradients_equal_every_step():
 
 
 @pytest.mark.parametrize("mode", ["eval", "no_grad"])
-def test_eval_and_no_grad_offload_nothing_and_leak_nothing(mode):
+def test_eval_and_no_grad_forwards_leak_nothing(mode):
     model, x = _small_stack()
     handle = actcfg.apply(model, POLICY)
     model(x).sum().backward()  # one training step warms the pool
@@ -86,7 +86,10 @@ def test_eval_and_no_grad_offload_nothing_and_leak_nothing(mode):
             torch.cuda.synchronize()
             gpu.append(torch.cuda.memory_stats()["requested_bytes.all.current"])
             host.append(_rss())
-    assert handle.engine.stats.steps == offloaded_steps, "an eval/no_grad forward went through the offload engine"
+    # The offload acts by grad mode (issue 20): eval() with grad on goes through the engine,
+    # under no_grad nothing does; neither keeps memory.
+    expected = offloaded_steps + (100 if mode == "eval" else 0)
+    assert handle.engine.stats.steps == expected
     assert len(set(gpu[1:])) == 1
     assert max(host[1:]) - host[1] < 64 * 2**20
     handle.remove()

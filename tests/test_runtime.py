@@ -293,7 +293,7 @@ def test_applying_twice_is_an_error_and_wraps_nothing_more(mode):
     assert str(info.value) == (
         f"the model already carries an actcfg policy ({handle.summary()}); call remove() on the "
         "handle apply() returned before applying again (a copy.deepcopy of an applied model "
-        "carries the policy with it)"
+        "carries the policy with it: actcfg.strip_policy(copy) takes it off)"
     )
     assert module_state(model) == state
 
@@ -578,14 +578,30 @@ def test_offload_groups_are_the_block_children_and_every_group_but_the_last_move
     assert module_state(model) == before
 
 
-def test_eval_and_no_grad_forwards_are_not_offloaded(loopback):
+def test_no_grad_forwards_are_not_offloaded(loopback):
     model, x = big_blocks(3)
     handle = apply_offload(model, {"version": 1, "cpu_checkpointing": True})
     with torch.no_grad():
         model(x)
     model.eval()
-    model(x)
+    with torch.inference_mode():
+        model(x)
     assert handle.engine.stats.steps == 0
+
+
+def test_a_training_step_in_eval_mode_offloads_as_in_train_mode(loopback):
+    # Autograd saves by grad mode, whatever module.training says: training in eval() (dropout
+    # off) offloaded 0 bytes, silently, while the checkpoint still ran (issue 20).
+    model, x = big_blocks(3)
+    plain = copy.deepcopy(model).eval()
+    cfg = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]}, "cpu_checkpointing": True}
+    handle = apply_offload(model, cfg)
+    model.eval()
+    want, got = step(plain, x), step(model, x)
+    assert handle.engine.stats.steps == 1
+    assert handle.engine.stats.offloaded_bytes == 2 * x.nbytes  # blocks 0 and 1; block 2's input stays
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
 
 
 def test_checkpoint_inputs_are_what_moves_with_checkpointing(loopback):

@@ -57,7 +57,7 @@ def load_plan_file(plan_file: str | os.PathLike[str]) -> tuple[Path, Policy]:
 def check_plan_fits_model(model: Any, policy: Policy, plan: Policy, path: Path) -> None:
     """PolicyApplyError when the plan at `path` was made for another model (its modules are not
     this model's candidates, `policy.checkpoint.modules`) or for a larger budget."""
-    from actcfg.runtime.wrap import _matches, select_modules
+    from actcfg.runtime.wrap import pattern_matches, select_modules
 
     try:
         candidates = [n for n, _ in select_modules(model, tuple(policy.checkpoint.modules), 1)]
@@ -65,8 +65,8 @@ def check_plan_fits_model(model: Any, policy: Policy, plan: Policy, path: Path) 
         raise PolicyApplyError(f"checkpoint.modules of the `mode: auto` policy: {e}") from e
     named = dict(model.named_modules())
     patterns = [p for rule in plan.checkpoint.rules for p in rule.modules]
-    missing = [n for n in candidates if not any(_matches(p, n, named[n]) for p in patterns)]
-    foreign = [p for p in patterns if not any(_matches(p, n, named[n]) for n in candidates)]
+    missing = [n for n in candidates if not any(pattern_matches(p, n, named[n]) for p in patterns)]
+    foreign = [p for p in patterns if not any(pattern_matches(p, n, named[n]) for n in candidates)]
     if missing or foreign:
         said = []
         if missing:

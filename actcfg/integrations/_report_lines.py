@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from actcfg.runtime.reports import _size
+from actcfg.runtime.reports import memory_size
 
 __all__ = ["FirstStepPeak", "applied_line", "measured_line"]
 
@@ -35,7 +35,7 @@ def applied_line(applied: Any, *, planned_in_s: float | None = None, written: Pa
         line = f"actcfg: plan {plan_file} applied; " + line.removeprefix("actcfg: ")
     predicted = getattr(applied.policy.checkpoint, "predicted", None)
     if predicted is not None:
-        line += f"; predicted {predicted.step_time_ms:.1f} ms, peak {_size(predicted.peak)}"
+        line += f"; predicted {predicted.step_time_ms:.1f} ms, peak {memory_size(predicted.peak)}"
     return line
 
 
@@ -57,12 +57,12 @@ def measured_line(applied: Any, peak: int | None) -> str:
     engine = applied.engine
     if engine is not None:
         st = engine.stats
-        parts.append(f"{_size(st.offloaded_bytes)} offloaded to the host in {st.offloaded_tensors} "
-                     f"copies, {_size(st.reloaded_bytes)} reloaded")
+        parts.append(f"{memory_size(st.offloaded_bytes)} offloaded to the host in {st.offloaded_tensors} "
+                     f"copies, {memory_size(st.reloaded_bytes)} reloaded")
     predicted = _predicted_peak(applied)
     if peak is not None:
-        parts.append(f"peak {_size(peak)} above the step's start"
-                     + (f" (predicted {_size(predicted)})" if predicted is not None else ""))
+        parts.append(f"peak {memory_size(peak)} above the step's start"
+                     + (f" (predicted {memory_size(predicted)})" if predicted is not None else ""))
     elif predicted is not None:
         parts.append("peak not measured on the CPU")
     return "actcfg: after the first step: " + ("; ".join(parts) or "nothing to count")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from actcfg.plan.model import CHOICES, OFFLOADS, BlockProfile, Option, Profile
 from actcfg.plan.solve import Plan, predict, smallest_peak, solve
-from actcfg.plan.write import policy_text
+from actcfg.plan.write import exact_pattern, policy_text
 
 if TYPE_CHECKING:
     from actcfg.runtime.reports import PlanReport
@@ -28,6 +28,7 @@ __all__ = [
     "Plan",
     "Planned",
     "Profile",
+    "exact_pattern",
     "plan_model",
     "policy_text",
     "predict",
@@ -54,10 +55,13 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
     the runtime's applier of a concrete policy (passed in by `actcfg.api`); `origin` names the
     policy file in the written plan's header. PlanError when no plan fits."""
     from actcfg.policy.checker import load
+    from actcfg.runtime.step import default_loss
     from actcfg.plan.profile import profile as run_profile
     from actcfg.runtime.reports import PlanReport
 
-    profiled = run_profile(model, policy.checkpoint.modules, inputs, loss_fn=loss_fn, apply=apply,
+    _refuse_frozen(model)
+    checked = _checked_loss(loss_fn if loss_fn is not None else default_loss, loss_fn is None)
+    profiled = run_profile(model, policy.checkpoint.modules, inputs, loss_fn=checked, apply=apply,
                            pin=policy.pin, pin_budget=policy.pin_budget)
     plan = solve(profiled, policy.memory_budget)
     text = policy_text(plan, profiled, policy, origin=origin)
@@ -73,4 +77,77 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
         policy_yaml=text,
         device=profiled.device,
     )
-    return Planned(load(text), report, profiled, plan)
+    planned = load(text)
+    _refuse_inexact(model, planned, plan)
+    return Planned(planned, report, profiled, plan)
+
+
+def _refuse_frozen(model: Any) -> None:
+    from actcfg.errors import PlanError
+
+    if not any(p.requires_grad for p in model.parameters()):
+        raise PlanError(
+            "no parameter of the model requires grad (a frozen model): a plan profiles a "
+            "training step, and this model's would compute no gradient; make the parameters you "
+            "train require grad (model.requires_grad_() or per module) before planning")
+
+
+def _checked_loss(loss_fn: Any, default: bool) -> Any:
+    """`loss_fn` as the profile calls it, each call checked: an error of the user's loss_fn (or
+    a result backward cannot start from) is a PlanError naming loss_fn, not torch's words from
+    deep inside the profile."""
+    import torch
+
+    from actcfg.errors import PlanError
+
+    what = "the default loss (the output's `loss`, else the mean square of its first tensor)" \
+        if default else "loss_fn"
+    if not callable(loss_fn):
+        raise PlanError(f"loss_fn= is a {type(loss_fn).__name__}, not a callable: pass "
+                        "loss_fn=lambda output: <a scalar tensor>, or leave it out")
+
+    def checked(output: Any) -> Any:
+        try:
+            loss = loss_fn(output)
+        except (PlanError, torch.cuda.OutOfMemoryError):
+            raise  # the profile's own handling: out of memory is a measurement
+        except Exception as e:
+            raise PlanError(f"{what} raised {type(e).__name__}: {e}; the profile calls it on the "
+                            "model's output and needs a scalar tensor back") from e
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            got = (f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor)
+                   else f"a {type(loss).__name__}")
+            raise PlanError(f"{what} returned {got}: the profile calls backward() on it and needs "
+                            "a scalar tensor (reduce it, e.g. with .mean())")
+        if not loss.requires_grad:
+            raise PlanError(f"{what} returned a tensor that does not require grad: backward() "
+                            "cannot start from it (is it computed from the output, under grad "
+                            "mode, with a parameter that requires grad?)")
+        return loss
+
+    return checked
+
+
+def _refuse_inexact(model: Any, planned: Policy, plan: Plan) -> None:
+    """PlanError unless the written rules take exactly the planned modules: patterns match
+    class names too, so a module whose qualified name is also a class name of the model (a
+    ModuleDict key `Linear`) cannot be named alone. Better said now than by apply's refusal of
+    a rule the user never wrote."""
+    from actcfg.runtime.wrap import select_by_rules
+    from actcfg.errors import PlanError, PolicyApplyError
+
+    rules = [r.modules for r in planned.checkpoint.rules]
+    try:
+        taken = {n for n, _, _ in select_by_rules(model, rules)}
+    except PolicyApplyError as e:
+        raise PlanError(f"the plan's rules cannot be applied to this model as written: {e}") from e
+    if taken != set(plan.blocks):
+        extra = sorted(taken - set(plan.blocks))
+        missing = sorted(set(plan.blocks) - taken)
+        raise PlanError(
+            "the plan's rules would not take exactly the planned modules"
+            + (f" (they would also take {', '.join(extra)})" if extra else "")
+            + (f" (they would miss {', '.join(missing)})" if missing else "")
+            + ": a rule's pattern matches class names as well as qualified names, so a module "
+            "named like a class of the model cannot be named alone; rename that module, or "
+            "plan over other modules (`checkpoint.modules`)")

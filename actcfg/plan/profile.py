@@ -39,26 +39,15 @@ from actcfg.errors import ActcfgError, PlanError
 from actcfg.runtime.offload import OffloadWarning, loopback_enabled
 from actcfg.plan.model import CHOICES, COUNTERPART, OFFLOADS, RULE_OF, BlockProfile, Option, Profile
 from actcfg.plan.solve import predict
+from actcfg.plan.write import exact_pattern
 from actcfg.policy.schema import DEFAULT_SAVE_OPS
-from actcfg.runtime.step import split_inputs
+from actcfg.runtime.step import default_loss, split_inputs
 
 __all__ = ["copy_bandwidth", "default_loss", "measure_steps", "profile", "saved_bytes"]
 
 _MIN_EXTRA_MS = 1e-6
 """Every choice but keep costs at least this: a measured recompute of 0 (noise) must not make
 checkpointing look free, or a plan would checkpoint what fits anyway."""
-
-
-def default_loss(output: Any) -> torch.Tensor:
-    """The output's `loss` (Hugging Face models given labels), else the mean square of its
-    first tensor, in fp32."""
-    loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
-    if not tensors:
-        raise PlanError("the model returned no tensor to take a loss of: pass loss_fn=")
-    return tensors[0].float().square().mean()
 
 
 def _split(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -443,7 +432,9 @@ def _restored(model: nn.Module) -> Iterator[None]:
 
 
 def _uniform(names: Sequence[str], choice: str, pin: bool, pin_budget: int | None) -> dict[str, Any]:
-    section: dict[str, Any] = {"mode": "rules", "rules": [{"modules": list(names), **RULE_OF[choice]}]}
+    # Names as exact patterns: a ModuleDict key `r[!a]` as a pattern matches `rb`, not itself.
+    rule = {"modules": [exact_pattern(n) for n in names], **RULE_OF[choice]}
+    section: dict[str, Any] = {"mode": "rules", "rules": [rule]}
     data: dict[str, Any] = {"version": 1, "checkpoint": section}
     if choice in OFFLOADS:
         section.update(keep_last=0, max_inflight=1)

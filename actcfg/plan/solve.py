@@ -35,6 +35,7 @@ from typing import Any
 
 from actcfg.errors import PlanError
 from actcfg.plan.model import OFFLOADS, Profile
+from actcfg.runtime.reports import memory_size
 
 __all__ = ["MAX_FRONT", "Plan", "predict", "smallest_peak", "solve"]
 
@@ -268,14 +269,10 @@ def solve(profile: Profile, budget: int, *, max_inflight: tuple[int, ...] = (1, 
     if found is None:
         lowest = min(smallest_peak(profile, m) for m in tries)
         raise PlanError(
-            f"no plan fits memory_budget {_gib(budget)}: the smallest peak any choice of "
-            f"{', '.join(choices)} per module reaches is {_gib(lowest)} (plain: "
-            f"{_gib(profile.plain_peak)}). Raise memory_budget to at least {_gib(lowest)}, or plan "
+            f"no plan fits memory_budget {memory_size(budget)}: the smallest peak any choice of "
+            f"{', '.join(choices)} per module reaches is {memory_size(lowest)} (plain: "
+            f"{memory_size(profile.plain_peak)}). Raise memory_budget to at least {memory_size(lowest)}, or plan "
             "over more or finer modules (`checkpoint.modules`)", smallest_peak=lowest)
     _, _, m, picked = found
     step, peak = predict(profile, picked, m)
     return Plan(tuple(b.name for b in profile.blocks), picked, m, step, peak, budget)
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

@@ -11,16 +11,28 @@ from typing import Any
 
 from actcfg.plan.model import OFFLOADS, RULE_OF, Profile
 from actcfg.plan.solve import Plan
+from actcfg.runtime.reports import memory_size
 from actcfg.policy.schema import format_size
 
-__all__ = ["policy_text"]
+__all__ = ["exact_pattern", "policy_text"]
 
 _PLAIN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
+# Plain scalars some YAML reader takes for a boolean or null (YAML 1.1 included): quoted.
+_NOT_STRINGS = frozenset({"true", "false", "null", "yes", "no", "on", "off", "y", "n"})
 
 
 def _scalar(text: str) -> str:
-    # A module name as YAML reads it back: plain when it is a dotted identifier, else quoted.
-    return text if _PLAIN.match(text) else json.dumps(text)
+    # A pattern as YAML reads it back: plain when it is a dotted identifier, else quoted.
+    if _PLAIN.match(text) and text.lower() not in _NOT_STRINGS:
+        return text
+    return json.dumps(text, ensure_ascii=False)
+
+
+def exact_pattern(name: str) -> str:
+    """The fnmatch pattern that matches the qualified name `name` and no other: `[`, `*` and
+    `?` in it (a ModuleDict key such as `b[12]`) each written as a one-character set (`[[]`).
+    A plan names modules, and `b[12]` as a pattern would take `b1` and `b2` instead."""
+    return "".join(f"[{c}]" if c in "[*?" else c for c in name)
 
 
 def _mib_up(n: int) -> str:
@@ -48,7 +60,7 @@ def policy_text(plan: Plan, profile: Profile, source: Any, *, origin: str = "") 
         f"# Written by actcfg plan{f' from {origin}' if origin else ''}: the fastest per-module "
         f"choices whose predicted peak fits memory_budget {format_size(plan.budget)}",
         f"# ({profile.device} profile; without a policy the step took {profile.plain_step_ms:.1f} ms "
-        f"and peaked at {profile.plain_peak / 2**30:.2f} GiB). Check it with `actcfg verify`.",
+        f"and peaked at {memory_size(profile.plain_peak)}). Check it with `actcfg verify`.",
         "version: 1",
         f"backend: {source.backend.value}",
         "checkpoint:",
@@ -58,7 +70,7 @@ def policy_text(plan: Plan, profile: Profile, source: Any, *, origin: str = "") 
     for choice in order:
         rule = ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}"
                          for k, v in RULE_OF[choice].items())
-        names = ", ".join(_scalar(n) for n in members[choice])
+        names = ", ".join(_scalar(exact_pattern(n)) for n in members[choice])
         lines.append(f"    - {{modules: [{names}], {rule}}}")
     offloads = any(c in OFFLOADS for c in plan.choices)
     if offloads:

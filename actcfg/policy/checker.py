@@ -183,6 +183,12 @@ def _from_error(error: Mapping[str, Any], data: Any, doc: Document | None, name:
     elif kind == "size_negative":
         message = f"`{where}` is {_shown(value)}: a size cannot be negative"
         hint = "use a size of 0 or more, such as 16GiB"
+    elif kind == "size_zero":
+        message = f"`{where}` is {_shown(value)}: a budget of 0 bytes leaves no room for a training step"
+        hint = "give the most GPU memory one training step may allocate, such as 40GiB"
+    elif kind == "finite_number":
+        message = f"`{where}` is {_shown(value)}: it must be a finite number"
+        hint = "write a number of milliseconds, such as 12.5"
     elif kind == "size_under_a_byte":
         message = f"`{where}` is {_shown(value)}: less than one byte, which would round to 0"
         hint = "write 0 for no pinned memory at all, or a size of at least one byte, such as 1KiB"

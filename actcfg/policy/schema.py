@@ -140,6 +140,31 @@ Size = Annotated[
     ),
 ]
 
+
+
+def _not_zero(size: int) -> int:
+    if size == 0:
+        raise PydanticCustomError("size_zero", "a size of 0 bytes leaves no room at all", {})
+    return size
+
+
+PositiveSize = Annotated[
+    int,
+    BeforeValidator(parse_size),
+    AfterValidator(_not_zero),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "integer", "minimum": 1},
+                # SIZE_PATTERN, less the spellings of zero (`0`, `0GiB`, `0.0 MiB`)
+                {"type": "string",
+                 "pattern": r"^(?!\s*0+(\.0+)?\s*[a-zA-Z]*\s*$)" + SIZE_PATTERN[1:]},
+            ]
+        }
+    ),
+]
+"""A size that must be more than 0 bytes (a budget: 0 would be a plan that fits nothing)."""
+
 # --- checkpoint modes ----------------------------------------------------------------
 
 # Matmul-class outputs are expensive to recompute and are what selective
@@ -243,7 +268,7 @@ class Rule(_Strict):
 class Prediction(_Strict):
     """What `actcfg plan` predicted for this policy; `actcfg verify` compares it with what it measures."""
 
-    step_time_ms: Annotated[float, Field(gt=0, strict=True)] = Field(
+    step_time_ms: Annotated[float, Field(gt=0, strict=True, allow_inf_nan=False)] = Field(
         description=_DOC["Prediction.step_time_ms"])
     """Predicted time of one training step (forward and backward), in milliseconds."""
 
@@ -497,7 +522,7 @@ class Policy(_Strict):
     profile: StrictBool = Field(False, description=_DOC["Policy.profile"])
     """DeepSpeed only: time checkpoint forward and backward passes (DeepSpeed `profile`)."""
 
-    memory_budget: Size | None = Field(None, description=_DOC["Policy.memory_budget"])
+    memory_budget: PositiveSize | None = Field(None, description=_DOC["Policy.memory_budget"])
     """torch only, with `checkpoint.mode: auto`: the most GPU memory one training step may
     allocate above what is allocated when it begins (activations, their gradients and the
     step's parameter gradients), in bytes or a human size (`40GiB`); the plan keeps its peak

@@ -19,12 +19,13 @@ from torch import nn
 from actcfg.errors import PolicyApplyError
 from actcfg.policy.schema import Backend, Policy
 from actcfg.runtime.deepspeed_applier import apply_deepspeed
-from actcfg.runtime.handle import AppliedPolicy
+from actcfg.runtime.handle import LIVE, AppliedPolicy
 from actcfg.runtime.reports import PlanReport
 from actcfg.runtime.torch_applier import apply_torch
-from actcfg.runtime.wrap import APPLIED, WRAPPED, Marker
+from actcfg.runtime.wrap import APPLIED, WRAPPED, Marker, strip_overrides
 
-__all__ = ["APPLIERS", "Applier", "apply_policy", "refuse_if_applied", "runtime_backend"]
+__all__ = ["APPLIERS", "Applier", "apply_policy", "refuse_if_applied", "runtime_backend",
+           "strip_policy"]
 
 log = logging.getLogger("actcfg")
 
@@ -52,8 +53,33 @@ def apply_policy(model: nn.Module, policy: Policy, backend: Backend, *, mpu: Any
     except BaseException:
         handle.remove()
         raise
+    LIVE.add(handle)
     log.info(handle.summary())
     return handle
+
+
+def strip_policy(model: nn.Module) -> int:
+    """Take actcfg's edits off `model`, a `copy.deepcopy` of an applied model: its forward
+    overrides, offload hooks and markers; returns how many edits were taken off (0: it carried
+    none). The copy then computes plainly, can be saved with `torch.save` and applied again.
+
+    A deep copy carries the policy (a copy that trains keeps its checkpointing, as copies of
+    torch's checkpoint_wrapper do) but no handle of its own: the original's `remove()` undoes
+    the original only. This is the copy's way back. A model (or a module of one) whose policy
+    a handle still holds is refused: call that handle's `remove()`, which also restores what
+    lives outside the model (DeepSpeed's settings, `use_cache`). What a copy inherited outside
+    its modules stays as it is: a Hugging Face config copied with `use_cache` off keeps it off.
+    """
+    if not isinstance(model, nn.Module):
+        raise PolicyApplyError(f"strip_policy() needs a torch.nn.Module, got {type(model).__name__}")
+    mine = {id(m) for m in model.modules()}
+    for handle in list(LIVE):
+        if not handle.removed and any(id(m) in mine for m in handle.model.modules()):
+            raise PolicyApplyError(
+                "this model's actcfg policy is held by a live handle (the one apply() returned): "
+                "call remove() on it, which undoes everything apply did; strip_policy is for a "
+                "copy.deepcopy of an applied model, which has no handle of its own")
+    return strip_overrides(model)
 
 
 def runtime_backend(value: Backend | str) -> Backend:
@@ -76,7 +102,8 @@ def refuse_if_applied(model: nn.Module) -> None:
             raise PolicyApplyError(
                 f"{where} already carries an actcfg policy ({carried}); "
                 "call remove() on the handle apply() returned before applying again "
-                "(a copy.deepcopy of an applied model carries the policy with it)"
+                "(a copy.deepcopy of an applied model carries the policy with it: "
+                "actcfg.strip_policy(copy) takes it off)"
             )
         if "checkpoint" in _composable_registry(module):
             raise PolicyApplyError(

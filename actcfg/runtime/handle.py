@@ -6,6 +6,7 @@ It sits below every applier, the offload engine and the planner, so each of them
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 
     from actcfg.runtime.offload import OffloadEngine
 
-__all__ = ["AppliedPolicy", "UndoStack"]
+__all__ = ["LIVE", "AppliedPolicy", "UndoStack"]
 
 
 class UndoStack:
@@ -208,6 +209,7 @@ class AppliedPolicy:
         if self._removed:
             return
         self._removed = True
+        LIVE.discard(self)
         errors = self.undo.run()
         if errors:
             raise PolicyApplyError(f"remove() could not undo everything: {errors[0]}") from errors[0]
@@ -226,3 +228,8 @@ class AppliedPolicy:
 def _short_list(names: tuple[str, ...], limit: int = 3) -> str:
     shown = ", ".join(n or "<root>" for n in names[:limit])
     return shown + (f", ... {len(names) - limit} more" if len(names) > limit else "")
+
+
+LIVE: weakref.WeakSet[AppliedPolicy] = weakref.WeakSet()
+"""Handles applied and not yet removed: `strip_policy` leaves their models to their own
+`remove()`."""

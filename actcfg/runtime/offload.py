@@ -702,7 +702,7 @@ class OffloadEngine:
                     "a second thread ran a training forward of this model while another "
                     "thread's forward was being offloaded: actcfg's offload engine serves one "
                     "forward at a time. Run the forwards one after another, or run the other "
-                    "thread's forward under torch.no_grad() or in eval mode"
+                    "thread's forward under torch.no_grad()"
                 )
             raise OffloadError("offload steps do not nest: a forward pass is already being offloaded")
         self._begin_step()

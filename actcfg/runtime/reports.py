@@ -16,6 +16,7 @@ __all__ = [
     "OffloadReport",
     "PlanReport",
     "RuleReport",
+    "memory_size",
 ]
 
 
@@ -183,9 +184,9 @@ class PlanReport:
             counts[choice] = counts.get(choice, 0) + 1
         mix = ", ".join(f"{n} {c}" for c, n in counts.items())
         return (f"actcfg: planned {len(self.choices)} modules within memory_budget "
-                f"{_size(self.memory_budget)}: {mix}; predicted {self.predicted_step_time_ms:.1f} ms, "
-                f"peak {_size(self.predicted_peak)} (plain {self.plain_step_time_ms:.1f} ms, "
-                f"{_size(self.plain_peak)}; profiled on {self.device})")
+                f"{memory_size(self.memory_budget)}: {mix}; predicted {self.predicted_step_time_ms:.1f} ms, "
+                f"peak {memory_size(self.predicted_peak)} (plain {self.plain_step_time_ms:.1f} ms, "
+                f"{memory_size(self.plain_peak)}; profiled on {self.device})")
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able form."""
@@ -194,6 +195,15 @@ class PlanReport:
         return out
 
 
-def _size(n: int) -> str:
-    """GiB from one GiB up, MiB below: the unit GPU memory is read in."""
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+def memory_size(n: float) -> str:
+    """A byte count as GPU memory is read: `1.50 GiB`, `12.0 MiB`, `1.0 KiB`, `512 B`. Each unit
+    from one of it up, so that no size that is not 0 prints as 0 (a 1 KiB budget was `0.0 MiB`)."""
+    a = abs(n)
+    if a >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    if a >= 2**20:
+        return f"{n / 2**20:.1f} MiB"
+    if a >= 2**10:
+        return f"{n / 2**10:.1f} KiB"
+    return f"{n:.0f} B"
+

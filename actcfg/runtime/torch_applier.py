@@ -98,8 +98,9 @@ def _offload_device(model: nn.Module) -> torch.device:
     )
 
 
-def resolve_ops(names: tuple[str, ...]) -> list[Any]:
-    """`aten.mm` -> every overload of `torch.ops.aten.mm`; `aten.mm.default` -> that overload."""
+def resolve_ops(names: tuple[str, ...], where: str = "checkpoint.save_ops") -> list[Any]:
+    """`aten.mm` -> every overload of `torch.ops.aten.mm`; `aten.mm.default` -> that overload.
+    `where`: the key the names came from, for the error (`checkpoint.rules.0.save_ops`)."""
     out: list[Any] = []
     for name in names:
         ns, _, rest = name.partition(".")
@@ -112,7 +113,7 @@ def resolve_ops(names: tuple[str, ...]) -> list[Any]:
                 out.extend(getattr(packet, o) for o in packet.overloads())
         except (AttributeError, RuntimeError) as e:
             raise PolicyApplyError(
-                f"checkpoint.save_ops: {name!r} is not an op torch {torch.__version__} knows; "
+                f"{where}: {name!r} is not an op torch {torch.__version__} knows; "
                 "write `namespace.op` or `namespace.op.overload`, such as `aten.mm` "
                 "(see torch.ops.aten)"
             ) from e
@@ -176,7 +177,7 @@ def _apply_rules(model: nn.Module, policy: Policy, plan: RulesPlan, offload: Off
         if checkpoint is None:
             continue
         if i not in impls:
-            ops = (resolve_ops(checkpoint.selective_save_ops)
+            ops = (resolve_ops(checkpoint.selective_save_ops, f"checkpoint.rules.{i}.save_ops")
                    if checkpoint.selective_save_ops is not None else None)
             impls[i] = _Checkpointed(checkpoint, ops, (handle.counters, handle.rule_counters[i]))
         override_forward(handle.undo, module, impls[i], f"checkpointed ({rule.checkpoint}, rule {i})")
@@ -221,18 +222,28 @@ class _OffloadScope(NotPicklable):
         self.opened_at_group: Any = None
         self.group_names: dict[int, str] = {}
         """Group index -> the module that opened it, in the last step."""
+        self.own_group: tuple[str, bool] | None = None
+        """(name, offload) when the module whose forward is the step is a group itself (a rule
+        that takes the root): the step marks it, as a pre-hook would open a second step."""
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _OffloadScope:
         return self
 
     def _training(self, module: nn.Module) -> bool:
-        if not (module.training and torch.is_grad_enabled()):
+        # By grad mode, not module.training: what autograd saves is what fills the GPU, and it
+        # saves under grad mode whatever the module's mode (training in eval() mode, to keep
+        # dropout off, is common). The checkpoint runs by grad mode too, and DeepSpeed's
+        # cpu_checkpointing offloads regardless of mode; an eval()-mode step that offloaded
+        # nothing here was silent. Evaluation under torch.no_grad()/inference_mode saves
+        # nothing, and is not offloaded.
+        if not torch.is_grad_enabled():
             return False
         if self.removed:
             raise PolicyApplyError(
                 "this model is a copy of a model whose actcfg policy was removed, and its offload "
-                "engine is closed; apply the policy to the original again, or train the copy in "
-                "torch.no_grad()/eval mode"
+                "engine is closed; apply the policy to the original again, run the copy under "
+                "torch.no_grad(), or take the policy off the copy with "
+                "actcfg.strip_policy(copy)"
             )
         return True
 
@@ -242,6 +253,10 @@ class _OffloadScope(NotPicklable):
         self._close_group_step()  # one a KeyboardInterrupt left open
         with self.engine.step():
             self._begin()
+            if self.own_group is not None:
+                name, offload = self.own_group
+                self.engine.mark_group(offload)
+                self.group_names[self.engine.open_group_index] = name
             return call_inner(module, previous, *args, **kwargs)
 
     def _begin(self) -> None:
@@ -329,7 +344,11 @@ def _apply_offload(model: nn.Module, plan: OffloadPlan, selected: list[tuple[str
     handle.engine = engine
     handle.offload_group_names = scope.group_names
     handle.undo.push(scope.close)
+    within, enclosing = _enclosing(model, [n for n, _ in groups])
     for k, (name, module) in enumerate(groups):
+        if module is enclosing:  # the only group (nested ones are refused): the step marks it
+            scope.own_group = (name, True if offloads is None else offloads[k])
+            continue
         mark = functools.partial(scope.mark, name=name,
                                  offload=True if offloads is None else offloads[k])
         # prepend: the boundary is marked before any other pre-hook of the block saves tensors.
@@ -337,10 +356,9 @@ def _apply_offload(model: nn.Module, plan: OffloadPlan, selected: list[tuple[str
         if rules:
             # what the modules between two groups save stays on the device
             handle.undo.push(module.register_forward_hook(scope.leave).remove)
-    if groups:
+    if groups and groups[-1][1] is not enclosing:
         last = groups[-1][1]
         handle.undo.push(last.register_forward_hook(scope.after_last, always_call=True).remove)
-    within, enclosing = _enclosing(model, [n for n, _ in groups])
     override_forward(handle.undo, enclosing, scope, "offload scope")
     handle.set_offload(OffloadReport(
         engine=plan.engine, scope=plan.scope, pin=plan.pin and device.type == "cuda",

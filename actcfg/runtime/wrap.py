@@ -6,6 +6,12 @@ Module selection recognises modules by what they are (every class of their MRO, 
 callable in the instance's `__dict__`: module, parameter and state_dict names stay unchanged,
 `copy.deepcopy` rebinds it to the copy, torch.compile traces through it, and pickling an
 applied model stops with a sentence instead of saving actcfg's machinery with the weights.
+
+A deep copy of an applied model carries the policy, as a copy of a model wrapped by torch's
+checkpoint_wrapper or with Hugging Face checkpointing on stays checkpointed: a copy that trains
+keeps the memory it was promised. The copy has no handle of its own (the original's `remove()`
+takes back the original's edits only), so `strip_overrides` (`actcfg.strip_policy`)
+takes actcfg's edits off a copy.
 """
 
 from __future__ import annotations
@@ -31,11 +37,13 @@ __all__ = [
     "call_with_flat_tensors",
     "class_name",
     "label",
+    "pattern_matches",
     "override_forward",
     "prepare_hf_model",
     "refuse_stacked_checkpointing",
     "select_by_rules",
     "select_modules",
+    "strip_overrides",
 ]
 
 log = logging.getLogger("actcfg")
@@ -53,13 +61,16 @@ class Undo(Protocol):
 
 
 class NotPicklable:
-    """Refuses pickling with a sentence; `copy.deepcopy` still copies (see each subclass)."""
+    """Refuses pickling with a sentence; `copy.deepcopy` still copies (see each subclass).
+    What actcfg puts on a module (overrides, markers, the offload scope whose methods are
+    hooks) is one of these, which is how `strip_overrides` recognises it."""
 
     def __reduce__(self) -> Any:
         raise ActcfgError(
             "this model carries an actcfg policy, which cannot be pickled with it (torch.save of "
             "the whole model): save model.state_dict() instead (names are unchanged under "
-            "actcfg), or call remove() on the handle actcfg.apply returned first"
+            "actcfg), or call remove() on the handle actcfg.apply returned first (on a "
+            "copy.deepcopy of an applied model, actcfg.strip_policy(copy))"
         )
 
 
@@ -100,7 +111,7 @@ def label(name: str, module: nn.Module) -> str:
     return f"`{name}` ({class_name(module)})" if name else f"the model ({class_name(module)})"
 
 
-def _matches(pattern: str, name: str, module: nn.Module) -> bool:
+def pattern_matches(pattern: str, name: str, module: nn.Module) -> bool:
     """fnmatch on each class name of the module's MRO (a subclass of `Block` is a `Block`); on
     the qualified name segment by segment, so that `*` never crosses a dot (`layers.*` is
     `layers.0`, not `layers.0.mlp.fc1`)."""
@@ -121,7 +132,7 @@ def select_modules(model: nn.Module, patterns: tuple[str, ...], every: int) -> l
     """
     named = list(model.named_modules())
     _refuse_unmatched(model, named, patterns, "checkpoint.modules")
-    matched = [(n, m) for n, m in named if any(_matches(p, n, m) for p in patterns)]
+    matched = [(n, m) for n, m in named if any(pattern_matches(p, n, m) for p in patterns)]
     _refuse_nested(matched, "checkpoint.modules",
                    "nested checkpointing recomputes the inner module twice; narrow the patterns "
                    "so that only one of them matches")
@@ -150,13 +161,13 @@ def select_by_rules(model: nn.Module, rules: Sequence[tuple[str, ...]]) -> list[
         _refuse_unmatched(model, named, patterns, f"checkpoint.rules.{i}.modules")
     taken: list[tuple[str, nn.Module, int]] = []
     for n, m in named:
-        rule = next((i for i, patterns in enumerate(rules) if any(_matches(p, n, m) for p in patterns)), None)
+        rule = next((i for i, patterns in enumerate(rules) if any(pattern_matches(p, n, m) for p in patterns)), None)
         if rule is not None:
             taken.append((n, m, rule))
     used = {i for _, _, i in taken}
     for i, patterns in enumerate(rules):
         if i not in used:
-            earlier = sorted({j for n, m, j in taken if any(_matches(p, n, m) for p in patterns)})
+            earlier = sorted({j for n, m, j in taken if any(pattern_matches(p, n, m) for p in patterns)})
             raise PolicyApplyError(
                 f"checkpoint.rules.{i}: every module its patterns match was taken by an earlier "
                 f"rule ({', '.join(f'checkpoint.rules.{j}' for j in earlier)}; the first match "
@@ -173,7 +184,7 @@ def select_by_rules(model: nn.Module, rules: Sequence[tuple[str, ...]]) -> list[
 def _refuse_unmatched(model: nn.Module, named: list[tuple[str, nn.Module]], patterns: tuple[str, ...],
                       where: str) -> None:
     for pattern in patterns:
-        if not any(_matches(pattern, n, m) for n, m in named):
+        if not any(pattern_matches(pattern, n, m) for n, m in named):
             classes = sorted({class_name(m) for _, m in named})
             names = [n for n, _ in named if n][:6]
             raise PolicyApplyError(
@@ -270,6 +281,49 @@ def override_forward(undo: Undo, module: nn.Module, impl: Callable[..., Any], wh
                 d[key] = value
 
     undo.push(undo_it)
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
+# Where torch keeps a hook's options, by the hook's id (absent in older torch: skipped).
+_HOOK_OPTIONS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+                 "_forward_hooks_always_called")
+
+
+def _actcfg_hook(hook: Any) -> bool:
+    """True for a hook actcfg registered: a method (or a partial of one) of a NotPicklable."""
+    fn = getattr(hook, "func", hook)  # functools.partial
+    return isinstance(getattr(fn, "__self__", None), NotPicklable)
+
+
+def strip_overrides(model: nn.Module) -> int:
+    """Take every actcfg edit off `model` and its submodules: forward overrides (each back to
+    the forward it replaced), actcfg's forward hooks, and the markers. Returns how many edits it
+    took off. For a deep copy of an applied model, which has no handle of its own; the caller
+    refuses a model whose policy a live handle still holds (its `remove()` is the way there)."""
+    removed = 0
+    for module in model.modules():
+        d = module.__dict__
+        while isinstance(d.get("forward"), _BoundForward):
+            previous = d["forward"].previous
+            if previous is None:
+                del d["forward"]
+            else:
+                d["forward"] = previous
+            removed += 1
+        for key in (WRAPPED, APPLIED):
+            if isinstance(d.get(key), Marker):
+                del d[key]
+                removed += 1
+        for name in _HOOK_DICTS:
+            hooks = getattr(module, name, None)
+            if not hooks:
+                continue
+            for hook_id in [i for i, hook in hooks.items() if _actcfg_hook(hook)]:
+                del hooks[hook_id]
+                removed += 1
+                for option in _HOOK_OPTIONS:
+                    getattr(module, option, {}).pop(hook_id, None)
+    return removed
 
 
 def call_with_flat_tensors(

@@ -433,8 +433,18 @@ def import_ds_config(ds_config: Any, *, modules: Sequence[str] | None = None,
                 "not imported", f"move it into `{SECTION}`"))
     header = ["# actcfg policy imported from a DeepSpeed config (actcfg import)"]
     if SECTION not in ds_config:
-        header.append(f"# no {SECTION} section: DeepSpeed's defaults, nothing checkpointed")
-        return _result(_render(header, [], None), findings, "deepspeed")
+        if not modules and not external:
+            header.append(f"# no {SECTION} section: DeepSpeed's defaults, nothing checkpointed")
+            return _result(_render(header, [], None), findings, "deepspeed")
+        # The caller says the model routes modules through deepspeed.checkpointing.checkpoint
+        # (or calls it itself): that runs with DeepSpeed's defaults, which the policy spells
+        # out. Dropping --modules here would import "nothing checkpointed", silently.
+        header.append(f"# no {SECTION} section: DeepSpeed's defaults")
+        values_default: dict[str, Any] = {}
+        if num_checkpoints is not None:
+            values_default["num_checkpoints"] = num_checkpoints
+        text = _render(header, _checkpoint_lines(modules, external), values_default)
+        return _result(text, findings + _policy_findings(text, {}, (), False), "deepspeed")
     section = ds_config[SECTION]
     if not isinstance(section, dict):
         what = ("null: DeepSpeed fails when it builds its config (AttributeError: 'NoneType' "
