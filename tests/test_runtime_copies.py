@@ -67,7 +67,7 @@ def test_a_copy_whose_original_was_removed_can_be_stripped(loopback, name):
     assert carried(model) == []
     with pytest.raises(PolicyApplyError, match=r"strip_policy\(copy\) takes it off\)$"):
         apply(twin, POLICIES["full"])
-    with pytest.raises(ActcfgError, match=r"actcfg\.runtime\.strip_policy\(copy\)\)$"):
+    with pytest.raises(ActcfgError, match=r"actcfg\.strip_policy\(copy\)\)$"):
         torch.save(twin, io.BytesIO())
     assert strip_policy(twin) > 0
     assert carried(twin) == [] and strip_policy(twin) == 0
