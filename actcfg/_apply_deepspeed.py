@@ -291,7 +291,7 @@ class _DeepSpeedForward:
         trains = any(p.requires_grad for p in module.parameters())
         try:
             return call_with_flat_tensors(ckpt.checkpoint, counted, args, kwargs,
-                                          needs_grad_input=trains, flat_outputs=True)
+                                          needs_grad_input=trains, flat_outputs=True, owner=module)
         except BaseException:
             # A failed forward leaves contiguous-buffer offsets and offload ids behind;
             # reset() clears them so the next step starts clean.

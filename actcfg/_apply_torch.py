@@ -155,7 +155,7 @@ class _Checkpointed:
         trains = self.reentrant and any(p.requires_grad for p in module.parameters())
         return call_with_flat_tensors(self.api, counted, args, kwargs,
                                       needs_grad_input=trains, flat_outputs=self.reentrant,
-                                      **self.kwargs)
+                                      owner=module, **self.kwargs)
 
 
 def _apply_rules(model: nn.Module, policy: Policy, plan: RulesPlan, offload: OffloadPlan | None,

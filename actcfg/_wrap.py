@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from actcfg.errors import ActcfgError, PolicyApplyError
 
@@ -280,6 +280,7 @@ def call_with_flat_tensors(
     *,
     needs_grad_input: bool,
     flat_outputs: bool,
+    owner: nn.Module | None = None,
     **options: Any,
 ) -> Any:
     """`checkpoint_fn(run, *tensors, **options)`, where `tensors` are every tensor in `args` and
@@ -293,13 +294,15 @@ def call_with_flat_tensors(
     tensor that does is added: reentrant and DeepSpeed checkpoints compute parameter gradients
     only for calls with such an input. `flat_outputs` returns the outputs
     as a flat tuple of tensors to the checkpoint function and rebuilds their structure after
-    (reentrant and DeepSpeed checkpoints drop gradients of tensors inside a dict output).
+    (reentrant and DeepSpeed checkpoints drop gradients of tensors inside a dict output);
+    non-tensor leaves (None, numbers, strings) come back as they were, and a tensor that
+    `owner` (the checkpointed module) holds goes around the checkpoint function unchanged.
     """
     leaves, spec = tree_flatten((args, kwargs))
     at = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
     tensors = [leaves[i] for i in at]
     # Only non-tensor leaves stay in the closure: a tensor held here would outlive the offload.
-    template = [None if isinstance(v, torch.Tensor) else v for v in leaves]
+    template = [_TENSOR if isinstance(v, torch.Tensor) else v for v in leaves]
     dummy = 0
     if needs_grad_input and torch.is_grad_enabled() and not any(t.requires_grad for t in tensors):
         floating = next((i for i, t in enumerate(tensors) if t.is_floating_point()), None)
@@ -310,6 +313,7 @@ def call_with_flat_tensors(
             tensors.append(torch.ones(1, device=device, requires_grad=True))
             dummy = 1
     out_spec: list[Any] = []
+    around: list[set[int]] = []  # output slots that go around the Function, fixed by the forward
 
     def run(*given: torch.Tensor) -> Any:
         filled = list(template)
@@ -320,16 +324,68 @@ def call_with_flat_tensors(
         if not flat_outputs:
             return out
         out_leaves, o_spec = tree_flatten(out)
-        out_spec[:] = [o_spec, [None if isinstance(v, torch.Tensor) else v for v in out_leaves]]
-        return tuple(v for v in out_leaves if isinstance(v, torch.Tensor))
+        slots = [i for i, v in enumerate(out_leaves) if isinstance(v, torch.Tensor)]
+        if not around:  # the forward: which tensors pass through the Function is fixed here
+            passed = set(map(id, given))
+            own = _tensors_held_by(owner) if not torch.is_grad_enabled() else set()
+            # A tensor the module holds (an attribute returned beside the result) is not computed
+            # from the inputs: as an autograd Function's output, autograd would give the
+            # module's own tensor a grad_fn in place and backward would re-enter itself forever.
+            # It goes around the Function, as the same object plain returns.
+            around.append({i for i in slots if id(out_leaves[i]) in own and id(out_leaves[i]) not in passed})
+            out_spec[:] = [o_spec, [_TENSOR if i in slots and i not in around[0] else v
+                                    for i, v in enumerate(out_leaves)]]
+        through = [out_leaves[i] for i in slots if i not in around[0]]
+        if not torch.is_grad_enabled():
+            # The no-grad forward: a fresh tensor object per output, so that autograd marks that
+            # one and never a tensor someone else holds (no copy: the storage is shared).
+            passed = set(map(id, given))
+            through = [t if id(t) in passed else t.detach() for t in through]
+        return tuple(through)
 
     result = checkpoint_fn(run, *tensors, **options)
     if not flat_outputs:
         return result
     o_spec, o_template = out_spec
     flat = list(result) if isinstance(result, (tuple, list)) else [result]
-    it = iter(flat)
-    return tree_unflatten([next(it) if v is None else v for v in o_template], o_spec)
+    slots = [i for i, v in enumerate(o_template) if v is _TENSOR]
+    if len(flat) != len(slots):
+        raise ActcfgError(
+            f"the checkpoint function returned {len(flat)} tensor(s) for a module output with "
+            f"{len(slots)} tensor slot(s); please report this with the module's output structure")
+    filled_out = list(o_template)
+    for i, t in zip(slots, flat):
+        filled_out[i] = t
+    out_spec.clear()  # the module's own tensors are not held past the call
+    return tree_unflatten(filled_out, o_spec)
+
+
+class _TensorSlot:
+    """Marks where a tensor goes in a flattened structure: `None` is a real leaf for pytree
+    (`(tensor, None)`, as T5Block returns), so it cannot be the mark."""
+
+    def __repr__(self) -> str:
+        return "<tensor>"
+
+
+_TENSOR = _TensorSlot()
+
+
+def _tensors_held_by(module: nn.Module | None) -> set[int]:
+    """ids of every tensor `module` and its submodules hold: parameters, buffers, and plain
+    attributes (inside lists, tuples and dicts too)."""
+    if module is None:
+        return set()
+    held: set[int] = set()
+    for m in module.modules():
+        held.update(id(t) for t in m._parameters.values() if t is not None)
+        held.update(id(t) for t in m._buffers.values() if t is not None)
+        for key, value in m.__dict__.items():
+            if key in ("_parameters", "_buffers", "_modules"):
+                continue
+            if isinstance(value, (torch.Tensor, list, tuple, dict)):
+                held.update(id(t) for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    return held
 
 
 # --- model-level guards --------------------------------------------------------------------------
