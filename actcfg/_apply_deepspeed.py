@@ -19,6 +19,7 @@ from actcfg._wrap import (
     call_inner,
     call_with_flat_tensors,
     class_name,
+    drop_cache_for_recompute,
     override_forward,
     prepare_hf_model,
     refuse_stacked_checkpointing,
@@ -278,6 +279,8 @@ class _DeepSpeedForward:
             # buffers, fill buffers that no backward ever frees).
             return call_inner(module, previous, *args, **kwargs)
         ckpt = _deepspeed()
+        if module.training:
+            kwargs = drop_cache_for_recompute(module, kwargs)
         args, kwargs = _fresh_aliases(args), _fresh_aliases(kwargs)
         if self.partition_size > 1:
             _refuse_indivisible(module, (args, kwargs), self.partition_size)

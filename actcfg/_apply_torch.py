@@ -23,6 +23,7 @@ from actcfg._wrap import (
     NotPicklable,
     call_inner,
     call_with_flat_tensors,
+    drop_cache_for_recompute,
     label,
     override_forward,
     prepare_hf_model,
@@ -141,6 +142,8 @@ class _Checkpointed:
     def __call__(self, module: nn.Module, previous: Any, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return call_inner(module, previous, *args, **kwargs)
+        if module.training:
+            kwargs = drop_cache_for_recompute(module, kwargs)
         counters = self.counters
         if not torch.compiler.is_compiling():
             for c in counters:

@@ -30,6 +30,7 @@ __all__ = [
     "call_inner",
     "call_with_flat_tensors",
     "class_name",
+    "drop_cache_for_recompute",
     "label",
     "override_forward",
     "prepare_hf_model",
@@ -412,13 +413,20 @@ def refuse_stacked_checkpointing(model: nn.Module) -> None:
 
 def prepare_hf_model(model: nn.Module, undo: Undo) -> None:
     """Turn `use_cache` off on Hugging Face models, as transformers does when it checkpoints: a
-    KV cache built in a training forward keeps two block inputs per layer on the GPU. One log
-    line; remove() turns it back on."""
+    KV cache built in a training forward keeps two block inputs per layer on the GPU, and a
+    recompute would update it a second time. The config's default goes off (one log line;
+    remove() turns it back on), and a forward called with `use_cache=True` while training gets
+    it forced off with one warning, as transformers' `merge_with_config_defaults` does."""
     seen: set[int] = set()
     for module in model.modules():
+        if not _is_hf_pretrained(module):
+            continue
+        index = _use_cache_index(module)
+        if index is not None:
+            hook = _UseCacheOff(class_name(module), index)
+            undo.push(module.register_forward_pre_hook(hook, with_kwargs=True).remove)
         config = getattr(module, "config", None)
-        if (config is None or id(config) in seen or getattr(config, "use_cache", None) is not True
-                or not any(c.__name__ == "PreTrainedModel" for c in type(module).__mro__)):
+        if config is None or id(config) in seen or getattr(config, "use_cache", None) is not True:
             continue
         seen.add(id(config))
         config.use_cache = False
@@ -426,3 +434,88 @@ def prepare_hf_model(model: nn.Module, undo: Undo) -> None:
         log.info("actcfg: turned off use_cache on %s's config, as transformers does when it "
                  "checkpoints (a KV cache built in training keeps two block inputs per layer)",
                  class_name(module))
+
+
+def _is_hf_pretrained(module: nn.Module) -> bool:
+    return any(c.__name__ == "PreTrainedModel" for c in type(module).__mro__)
+
+
+def _use_cache_index(module: nn.Module) -> int | None:
+    """Where `use_cache` sits among the forward's positional parameters (after self), -1 when
+    it is keyword-only or taken through **kwargs, None when the forward has none."""
+    import inspect
+
+    try:
+        parameters = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return -1
+    for i, p in enumerate(parameters):
+        if p.name == "use_cache":
+            return i if p.kind is p.POSITIONAL_OR_KEYWORD else -1
+    return -1 if any(p.kind is p.VAR_KEYWORD for p in parameters) else None
+
+
+class _UseCacheOff(NotPicklable):
+    """A forward pre-hook: `use_cache=True` passed to a Hugging Face model in a training forward
+    becomes False, with one warning per model. Under checkpointing the recompute would update
+    the cache a second time (14 tokens for 7 inputs), and with reentrant checkpointing the
+    gradients came out wrong; transformers forces it off itself when it checkpoints."""
+
+    def __init__(self, name: str, index: int) -> None:
+        self.name = name
+        self.index = index
+        self.warned = False
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _UseCacheOff:
+        return self  # settings only; a copy of the model warns through the same flag
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not (module.training and torch.is_grad_enabled()):
+            return None  # generation and evaluation keep their cache
+        if kwargs.get("use_cache"):
+            kwargs = {**kwargs, "use_cache": False}
+        elif 0 <= self.index < len(args) and args[self.index]:
+            args = (*args[: self.index], False, *args[self.index + 1:])
+        else:
+            return None
+        if not self.warned:
+            self.warned = True
+            log.warning("actcfg: %s was called with use_cache=True while training under an actcfg "
+                        "policy; setting use_cache=False, as transformers does when it checkpoints "
+                        "(the recompute would update the KV cache a second time)", self.name)
+        return args, kwargs
+
+
+_CACHE_KWARGS = ("cache", "past_key_values", "layer_past")
+"""The names a Hugging Face layer takes its KV cache under (they differ between models)."""
+
+
+def drop_cache_for_recompute(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The kwargs for a checkpointed Hugging Face module in a training forward, without its KV
+    cache: a cache the layer writes would be written again by the recompute in backward, as
+    transformers' `GradientCheckpointingLayer` says when it drops it. Layers that only read it
+    (`_can_checkpoint_with_cache`) keep it. One warning per class."""
+    if not kwargs or not type(module).__module__.startswith("transformers."):
+        return kwargs
+    changed = []
+    out = dict(kwargs)
+    if out.get("use_cache"):
+        out["use_cache"] = False
+        changed.append("use_cache=False")
+    if not getattr(module, "_can_checkpoint_with_cache", False):
+        for key in _CACHE_KWARGS:
+            if out.get(key) is not None:
+                out[key] = None
+                changed.append(f"{key}=None")
+    if not changed:
+        return kwargs
+    name = class_name(module)
+    if name not in _WARNED_CACHE:
+        _WARNED_CACHE.add(name)
+        log.warning("actcfg: a KV cache is incompatible with recomputing %s (the recompute would "
+                    "update it again): setting %s, as transformers does when it checkpoints",
+                    name, ", ".join(changed))
+    return out
+
+
+_WARNED_CACHE: set[str] = set()
