@@ -291,16 +291,21 @@ def test_eval_no_grad_does_not_grow_engine(route, request):
 @pytest.mark.deepspeed
 def test_configure_with_contiguous_checkpointing_requires_num_checkpoints(request):
     """DeepSpeed's configure() asserts on contiguous checkpointing without num_layers; actcfg
-    refuses the policy first, with the fix, when it cannot count the checkpointed calls."""
+    refuses the policy when it is loaded, before DeepSpeed is touched, with the fix."""
     if not __import__("os").environ.get(CAPPED):
         pytest.skip("runs in the capped subprocess")
     request.getfixturevalue("ds_env")
-    from actcfg.errors import PolicyApplyError
+    from deepspeed.runtime.activation_checkpointing import checkpointing as ckpt
+
+    from actcfg.errors import ConfigLoadError
     from actcfg.runtime import apply
 
-    with pytest.raises(PolicyApplyError, match=r"^contiguous: true needs num_checkpoints here"):
-        apply(nn.Sequential(nn.Linear(2, 2)), {"version": 1, "backend": "deepspeed",
+    before = {name: getattr(ckpt, name) for name in ("CONTIGUOUS_CHECKPOINTING", "num_layers")}
+    with pytest.raises(ConfigLoadError, match="contiguous-needs-num-checkpoints") as e:
+        apply(nn.Sequential(nn.Linear(2, 2)), {"version": 1, "backend": "deepspeed", "partition": True,
                                                "checkpoint": {"mode": "external"}, "contiguous": True})
+    assert "set `num_checkpoints`" in str(e.value)
+    assert {name: getattr(ckpt, name) for name in before} == before  # DeepSpeed untouched
 
 
 @pytest.mark.deepspeed
