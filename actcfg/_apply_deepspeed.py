@@ -10,6 +10,7 @@ the module's output structure (it would turn a dict into a tuple of its keys).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -292,6 +293,18 @@ class _DeepSpeedForward:
             return call_inner(module, previous, *a, **k)
 
         trains = any(p.requires_grad for p in module.parameters())
+        autocast = _autocast_state()
+        if autocast:
+            # DeepSpeed's recompute runs outside the forward's autocast (it restores the RNG
+            # state, not the autocast state): a bf16 forward was recomputed in fp32, so backward
+            # differentiated other activations than the forward's. Re-enter it, as torch's does.
+            inner = counted
+
+            def counted(*a: Any, **k: Any) -> Any:
+                with contextlib.ExitStack() as stack:
+                    for device_type, dtype, cache in autocast:
+                        stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
+                    return inner(*a, **k)
         try:
             return call_with_flat_tensors(ckpt.checkpoint, counted, args, kwargs,
                                           needs_grad_input=trains, flat_outputs=True, owner=module)
@@ -300,6 +313,13 @@ class _DeepSpeedForward:
             # reset() clears them so the next step starts clean.
             ckpt.reset()
             raise
+
+
+def _autocast_state() -> list[tuple[str, torch.dtype, bool]]:
+    """(device type, dtype, cache enabled) of each autocast in effect now."""
+    cache = torch.is_autocast_cache_enabled()
+    devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+    return [(d, torch.get_autocast_dtype(d), cache) for d in devices if torch.is_autocast_enabled(d)]
 
 
 def _fresh_aliases(value: Any) -> Any:
