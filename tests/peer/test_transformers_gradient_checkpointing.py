@@ -29,11 +29,9 @@ transformers = pytest.importorskip("transformers")
 
 try:
     from tests._deepspeed_env import ds_env
-    from tests.peer._capped import assert_passed
     from tests.peer._routes import applied, params
 except ImportError:  # pytest's rootdir-relative import mode
     from _deepspeed_env import ds_env
-    from peer._capped import assert_passed
     from peer._routes import applied, params
 
 __all__ = ["ds_env"]
@@ -141,10 +139,3 @@ def test_use_cache_true_in_training_is_forced_off_with_one_warning(route, name, 
         f"actcfg: {type(model).__name__} was called with use_cache=True while training under an "
         "actcfg policy; setting use_cache=False, as transformers does when it checkpoints (the "
         "recompute would update the KV cache a second time)"]
-
-
-@pytest.mark.deepspeed
-@pytest.mark.slow
-def test_deepspeed_route_in_capped_subprocess():
-    pytest.importorskip("deepspeed")
-    assert_passed([__file__, "-k", "deepspeed and not capped"], timeout_s=500)
