@@ -112,7 +112,7 @@ def test_training_gradient_checkpointing(route, name, request):
     hook.remove()
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "t5"])
 @pytest.mark.parametrize("route", params())
 def test_use_cache_true_in_training_is_forced_off_with_one_warning(route, name, request, caplog):
     """transformers forces use_cache off when it checkpoints; under actcfg the recompute updated
