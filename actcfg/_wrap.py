@@ -472,9 +472,9 @@ class _UseCacheOff(NotPicklable):
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not (module.training and torch.is_grad_enabled()):
             return None  # generation and evaluation keep their cache
-        if kwargs.get("use_cache"):
+        if kwargs.get("use_cache") is True:
             kwargs = {**kwargs, "use_cache": False}
-        elif 0 <= self.index < len(args) and args[self.index]:
+        elif 0 <= self.index < len(args) and args[self.index] is True:
             args = (*args[: self.index], False, *args[self.index + 1:])
         else:
             return None
@@ -499,7 +499,7 @@ def drop_cache_for_recompute(module: nn.Module, kwargs: dict[str, Any]) -> dict[
         return kwargs
     changed = []
     out = dict(kwargs)
-    if out.get("use_cache"):
+    if out.get("use_cache") is True:
         out["use_cache"] = False
         changed.append("use_cache=False")
     if not getattr(module, "_can_checkpoint_with_cache", False):
