@@ -10,6 +10,7 @@ the module's output structure (it would turn a dict into a tuple of its keys).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from actcfg.runtime.wrap import (
     call_inner,
     call_with_flat_tensors,
     class_name,
+    drop_cache_for_recompute,
     override_forward,
     prepare_hf_model,
     refuse_stacked_checkpointing,
@@ -279,6 +281,8 @@ class _DeepSpeedForward:
             # buffers, fill buffers that no backward ever frees).
             return call_inner(module, previous, *args, **kwargs)
         ckpt = _deepspeed()
+        if module.training:
+            kwargs = drop_cache_for_recompute(module, kwargs)
         args, kwargs = _fresh_aliases(args), _fresh_aliases(kwargs)
         if self.partition_size > 1:
             _refuse_indivisible(module, (args, kwargs), self.partition_size)
@@ -290,14 +294,33 @@ class _DeepSpeedForward:
             return call_inner(module, previous, *a, **k)
 
         trains = any(p.requires_grad for p in module.parameters())
+        autocast = _autocast_state()
+        if autocast:
+            # DeepSpeed's recompute runs outside the forward's autocast (it restores the RNG
+            # state, not the autocast state): a bf16 forward was recomputed in fp32, so backward
+            # differentiated other activations than the forward's. Re-enter it, as torch's does.
+            inner = counted
+
+            def counted(*a: Any, **k: Any) -> Any:
+                with contextlib.ExitStack() as stack:
+                    for device_type, dtype, cache in autocast:
+                        stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
+                    return inner(*a, **k)
         try:
             return call_with_flat_tensors(ckpt.checkpoint, counted, args, kwargs,
-                                          needs_grad_input=trains, flat_outputs=True)
+                                          needs_grad_input=trains, flat_outputs=True, owner=module)
         except BaseException:
             # A failed forward leaves contiguous-buffer offsets and offload ids behind;
             # reset() clears them so the next step starts clean.
             ckpt.reset()
             raise
+
+
+def _autocast_state() -> list[tuple[str, torch.dtype, bool]]:
+    """(device type, dtype, cache enabled) of each autocast in effect now."""
+    cache = torch.is_autocast_cache_enabled()
+    devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+    return [(d, torch.get_autocast_dtype(d), cache) for d in devices if torch.is_autocast_enabled(d)]
 
 
 def _fresh_aliases(value: Any) -> Any:

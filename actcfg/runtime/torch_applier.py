@@ -23,6 +23,7 @@ from actcfg.runtime.wrap import (
     NotPicklable,
     call_inner,
     call_with_flat_tensors,
+    drop_cache_for_recompute,
     label,
     override_forward,
     prepare_hf_model,
@@ -143,6 +144,8 @@ class _Checkpointed:
     def __call__(self, module: nn.Module, previous: Any, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return call_inner(module, previous, *args, **kwargs)
+        if module.training:
+            kwargs = drop_cache_for_recompute(module, kwargs)
         counters = self.counters
         if not torch.compiler.is_compiling():
             for c in counters:
@@ -157,7 +160,7 @@ class _Checkpointed:
         trains = self.reentrant and any(p.requires_grad for p in module.parameters())
         return call_with_flat_tensors(self.api, counted, args, kwargs,
                                       needs_grad_input=trains, flat_outputs=self.reentrant,
-                                      **self.kwargs)
+                                      owner=module, **self.kwargs)
 
 
 def _apply_rules(model: nn.Module, policy: Policy, plan: RulesPlan, offload: OffloadPlan | None,

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from actcfg.errors import ActcfgError, PolicyApplyError
 
@@ -36,6 +36,7 @@ __all__ = [
     "call_inner",
     "call_with_flat_tensors",
     "class_name",
+    "drop_cache_for_recompute",
     "label",
     "pattern_matches",
     "override_forward",
@@ -334,6 +335,7 @@ def call_with_flat_tensors(
     *,
     needs_grad_input: bool,
     flat_outputs: bool,
+    owner: nn.Module | None = None,
     **options: Any,
 ) -> Any:
     """`checkpoint_fn(run, *tensors, **options)`, where `tensors` are every tensor in `args` and
@@ -347,13 +349,15 @@ def call_with_flat_tensors(
     tensor that does is added: reentrant and DeepSpeed checkpoints compute parameter gradients
     only for calls with such an input. `flat_outputs` returns the outputs
     as a flat tuple of tensors to the checkpoint function and rebuilds their structure after
-    (reentrant and DeepSpeed checkpoints drop gradients of tensors inside a dict output).
+    (reentrant and DeepSpeed checkpoints drop gradients of tensors inside a dict output);
+    non-tensor leaves (None, numbers, strings) come back as they were, and a tensor that
+    `owner` (the checkpointed module) holds goes around the checkpoint function unchanged.
     """
     leaves, spec = tree_flatten((args, kwargs))
     at = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
     tensors = [leaves[i] for i in at]
     # Only non-tensor leaves stay in the closure: a tensor held here would outlive the offload.
-    template = [None if isinstance(v, torch.Tensor) else v for v in leaves]
+    template = [_TENSOR if isinstance(v, torch.Tensor) else v for v in leaves]
     dummy = 0
     if needs_grad_input and torch.is_grad_enabled() and not any(t.requires_grad for t in tensors):
         floating = next((i for i, t in enumerate(tensors) if t.is_floating_point()), None)
@@ -364,6 +368,7 @@ def call_with_flat_tensors(
             tensors.append(torch.ones(1, device=device, requires_grad=True))
             dummy = 1
     out_spec: list[Any] = []
+    around: list[set[int]] = []  # output slots that go around the Function, fixed by the forward
 
     def run(*given: torch.Tensor) -> Any:
         filled = list(template)
@@ -374,16 +379,68 @@ def call_with_flat_tensors(
         if not flat_outputs:
             return out
         out_leaves, o_spec = tree_flatten(out)
-        out_spec[:] = [o_spec, [None if isinstance(v, torch.Tensor) else v for v in out_leaves]]
-        return tuple(v for v in out_leaves if isinstance(v, torch.Tensor))
+        slots = [i for i, v in enumerate(out_leaves) if isinstance(v, torch.Tensor)]
+        if not around:  # the forward: which tensors pass through the Function is fixed here
+            passed = set(map(id, given))
+            own = _tensors_held_by(owner) if not torch.is_grad_enabled() else set()
+            # A tensor the module holds (an attribute returned beside the result) is not computed
+            # from the inputs: as an autograd Function's output, autograd would give the
+            # module's own tensor a grad_fn in place and backward would re-enter itself forever.
+            # It goes around the Function, as the same object plain returns.
+            around.append({i for i in slots if id(out_leaves[i]) in own and id(out_leaves[i]) not in passed})
+            out_spec[:] = [o_spec, [_TENSOR if i in slots and i not in around[0] else v
+                                    for i, v in enumerate(out_leaves)]]
+        through = [out_leaves[i] for i in slots if i not in around[0]]
+        if not torch.is_grad_enabled():
+            # The no-grad forward: a fresh tensor object per output, so that autograd marks that
+            # one and never a tensor someone else holds (no copy: the storage is shared).
+            passed = set(map(id, given))
+            through = [t if id(t) in passed else t.detach() for t in through]
+        return tuple(through)
 
     result = checkpoint_fn(run, *tensors, **options)
     if not flat_outputs:
         return result
     o_spec, o_template = out_spec
     flat = list(result) if isinstance(result, (tuple, list)) else [result]
-    it = iter(flat)
-    return tree_unflatten([next(it) if v is None else v for v in o_template], o_spec)
+    slots = [i for i, v in enumerate(o_template) if v is _TENSOR]
+    if len(flat) != len(slots):
+        raise ActcfgError(
+            f"the checkpoint function returned {len(flat)} tensor(s) for a module output with "
+            f"{len(slots)} tensor slot(s); please report this with the module's output structure")
+    filled_out = list(o_template)
+    for i, t in zip(slots, flat):
+        filled_out[i] = t
+    out_spec.clear()  # the module's own tensors are not held past the call
+    return tree_unflatten(filled_out, o_spec)
+
+
+class _TensorSlot:
+    """Marks where a tensor goes in a flattened structure: `None` is a real leaf for pytree
+    (`(tensor, None)`, as T5Block returns), so it cannot be the mark."""
+
+    def __repr__(self) -> str:
+        return "<tensor>"
+
+
+_TENSOR = _TensorSlot()
+
+
+def _tensors_held_by(module: nn.Module | None) -> set[int]:
+    """ids of every tensor `module` and its submodules hold: parameters, buffers, and plain
+    attributes (inside lists, tuples and dicts too)."""
+    if module is None:
+        return set()
+    held: set[int] = set()
+    for m in module.modules():
+        held.update(id(t) for t in m._parameters.values() if t is not None)
+        held.update(id(t) for t in m._buffers.values() if t is not None)
+        for key, value in m.__dict__.items():
+            if key in ("_parameters", "_buffers", "_modules"):
+                continue
+            if isinstance(value, (torch.Tensor, list, tuple, dict)):
+                held.update(id(t) for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    return held
 
 
 # --- model-level guards --------------------------------------------------------------------------
@@ -410,13 +467,20 @@ def refuse_stacked_checkpointing(model: nn.Module) -> None:
 
 def prepare_hf_model(model: nn.Module, undo: Undo) -> None:
     """Turn `use_cache` off on Hugging Face models, as transformers does when it checkpoints: a
-    KV cache built in a training forward keeps two block inputs per layer on the GPU. One log
-    line; remove() turns it back on."""
+    KV cache built in a training forward keeps two block inputs per layer on the GPU, and a
+    recompute would update it a second time. The config's default goes off (one log line;
+    remove() turns it back on), and a forward called with `use_cache=True` while training gets
+    it forced off with one warning, as transformers' `merge_with_config_defaults` does."""
     seen: set[int] = set()
     for module in model.modules():
+        if not _is_hf_pretrained(module):
+            continue
+        index = _use_cache_index(module)
+        if index is not None:
+            hook = _UseCacheOff(class_name(module), index)
+            undo.push(module.register_forward_pre_hook(hook, with_kwargs=True).remove)
         config = getattr(module, "config", None)
-        if (config is None or id(config) in seen or getattr(config, "use_cache", None) is not True
-                or not any(c.__name__ == "PreTrainedModel" for c in type(module).__mro__)):
+        if config is None or id(config) in seen or getattr(config, "use_cache", None) is not True:
             continue
         seen.add(id(config))
         config.use_cache = False
@@ -424,3 +488,88 @@ def prepare_hf_model(model: nn.Module, undo: Undo) -> None:
         log.info("actcfg: turned off use_cache on %s's config, as transformers does when it "
                  "checkpoints (a KV cache built in training keeps two block inputs per layer)",
                  class_name(module))
+
+
+def _is_hf_pretrained(module: nn.Module) -> bool:
+    return any(c.__name__ == "PreTrainedModel" for c in type(module).__mro__)
+
+
+def _use_cache_index(module: nn.Module) -> int | None:
+    """Where `use_cache` sits among the forward's positional parameters (after self), -1 when
+    it is keyword-only or taken through **kwargs, None when the forward has none."""
+    import inspect
+
+    try:
+        parameters = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return -1
+    for i, p in enumerate(parameters):
+        if p.name == "use_cache":
+            return i if p.kind is p.POSITIONAL_OR_KEYWORD else -1
+    return -1 if any(p.kind is p.VAR_KEYWORD for p in parameters) else None
+
+
+class _UseCacheOff(NotPicklable):
+    """A forward pre-hook: `use_cache=True` passed to a Hugging Face model in a training forward
+    becomes False, with one warning per model. Under checkpointing the recompute would update
+    the cache a second time (14 tokens for 7 inputs), and with reentrant checkpointing the
+    gradients came out wrong; transformers forces it off itself when it checkpoints."""
+
+    def __init__(self, name: str, index: int) -> None:
+        self.name = name
+        self.index = index
+        self.warned = False
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _UseCacheOff:
+        return self  # settings only; a copy of the model warns through the same flag
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not (module.training and torch.is_grad_enabled()):
+            return None  # generation and evaluation keep their cache
+        if kwargs.get("use_cache") is True:
+            kwargs = {**kwargs, "use_cache": False}
+        elif 0 <= self.index < len(args) and args[self.index] is True:
+            args = (*args[: self.index], False, *args[self.index + 1:])
+        else:
+            return None
+        if not self.warned:
+            self.warned = True
+            log.warning("actcfg: %s was called with use_cache=True while training under an actcfg "
+                        "policy; setting use_cache=False, as transformers does when it checkpoints "
+                        "(the recompute would update the KV cache a second time)", self.name)
+        return args, kwargs
+
+
+_CACHE_KWARGS = ("cache", "past_key_values", "layer_past")
+"""The names a Hugging Face layer takes its KV cache under (they differ between models)."""
+
+
+def drop_cache_for_recompute(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The kwargs for a checkpointed Hugging Face module in a training forward, without its KV
+    cache: a cache the layer writes would be written again by the recompute in backward, as
+    transformers' `GradientCheckpointingLayer` says when it drops it. Layers that only read it
+    (`_can_checkpoint_with_cache`) keep it. One warning per class."""
+    if not kwargs or not type(module).__module__.startswith("transformers."):
+        return kwargs
+    changed = []
+    out = dict(kwargs)
+    if out.get("use_cache") is True:
+        out["use_cache"] = False
+        changed.append("use_cache=False")
+    if not getattr(module, "_can_checkpoint_with_cache", False):
+        for key in _CACHE_KWARGS:
+            if out.get(key) is not None:
+                out[key] = None
+                changed.append(f"{key}=None")
+    if not changed:
+        return kwargs
+    name = class_name(module)
+    if name not in _WARNED_CACHE:
+        _WARNED_CACHE.add(name)
+        log.warning("actcfg: a KV cache is incompatible with recomputing %s (the recompute would "
+                    "update it again): setting %s, as transformers does when it checkpoints",
+                    name, ", ".join(changed))
+    return out
+
+
+_WARNED_CACHE: set[str] = set()
