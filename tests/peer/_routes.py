@@ -55,8 +55,8 @@ def applied(model: nn.Module, route: str, modules: list[str], request: Any = Non
     device: docs/peer-differences.md). The deepspeed route needs the `ds_env` fixture, which is
     looked up through `request` (and skipped outside the capped subprocess).
     """
-    from actcfg.offload import host_loopback
-    from actcfg.runtime import apply
+    from actcfg.runtime.offload import host_loopback
+    from actcfg.api import apply
 
     if route == "deepspeed":
         if not os.environ.get(CAPPED):

@@ -296,7 +296,7 @@ def test_configure_with_contiguous_checkpointing_requires_num_checkpoints(reques
     from deepspeed.runtime.activation_checkpointing import checkpointing as ckpt
 
     from actcfg.errors import ConfigLoadError
-    from actcfg.runtime import apply
+    from actcfg.api import apply
 
     before = {name: getattr(ckpt, name) for name in ("CONTIGUOUS_CHECKPOINTING", "num_layers")}
     with pytest.raises(ConfigLoadError, match="contiguous-needs-num-checkpoints") as e:

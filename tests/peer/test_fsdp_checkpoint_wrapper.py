@@ -197,8 +197,8 @@ def test_checkpoint_wrapper_cpu_offload():
     """offload_wrapper's test: the saved tensors of the forward go to the host. On actcfg's
     loopback engine (the policy `cpu_checkpointing: true`, no recompute) every group but the
     kept last one moves, and backward brings back exactly what moved."""
-    from actcfg.offload import host_loopback
-    from actcfg.runtime import apply
+    from actcfg.runtime.offload import host_loopback
+    from actcfg.api import apply
 
     model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10), nn.Linear(10, 10))
     plain = deepcopy(model)
