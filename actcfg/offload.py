@@ -20,8 +20,9 @@ fastest offload runtimes do (../shared/reference/BACKENDS.md section 3):
   groups do not count).
 * Host memory comes from a pool reused across steps: page-locked (pinned) buffers registered with
   `cudaHostRegister` at their exact size (torch's pinned allocator rounds every request up to a
-  power of two), never more than `pin_budget` in total; past it, or if pinning fails, pageable
-  buffers with one warning.
+  power of two), never more than `pin_budget` in total, nor more than this process's part of
+  `pin_budget_per_node` (a ledger the node's ranks share: actcfg.host_budget); past either, or
+  if pinning fails, pageable buffers with one warning.
 * A saved view travels with its whole storage (q, k and v of one projection are one copy), and
   is rebuilt on the reloaded storage with its own strides and offset: `unpack(pack(t))` equals
   `t` in value, size, dtype and device, as torch's hook contract asks, and in layout too. That
@@ -43,7 +44,8 @@ fastest offload runtimes do (../shared/reference/BACKENDS.md section 3):
 
 The engine runs on CUDA. `host_loopback()` lets it run on the CPU, "offloading" CPU tensors into
 separate host buffers with synchronous copies: every decision, count and check is the same, so
-CPU-only CI exercises the real engine; `actcfg.apply` never offloads CPU models otherwise.
+CPU-only CI exercises the real engine; `actcfg.apply` never offloads CPU models otherwise. With
+`pin`, its buffers count as pinned (within both budgets) without being registered.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ import torch
 from torch import nn
 
 from actcfg.errors import OffloadError
+from actcfg.host_budget import NodeBudget
 
 __all__ = ["OffloadEngine", "OffloadStats", "OffloadWarning", "host_loopback", "loopback_enabled"]
 
@@ -203,9 +206,12 @@ class _HostPool:
     bounds the pinned part.
     """
 
-    def __init__(self, pin: bool, pin_budget: int | None, stats: OffloadStats) -> None:
+    def __init__(self, pin: bool, pin_budget: int | None, stats: OffloadStats,
+                 node: NodeBudget | None = None, register: bool = True) -> None:
         self._pin = pin
         self._budget = pin_budget
+        self._node = node  # this process's account of pin_budget_per_node
+        self._register_buffers = register  # False on the host loopback: counted, not registered
         self._stats = stats
         self._free: dict[int, list[tuple[torch.Tensor, Any, bool]]] = {}
         self._registered: list[torch.Tensor] = []
@@ -241,14 +247,25 @@ class _HostPool:
                 else "pinning host memory failed earlier"
             )
             return None
+        node = self._node
+        if node is not None and not node.reserve(nbytes):
+            held, ranks = node.node_held()
+            self._fall_back(f"pin_budget_per_node ({node.budget} bytes) is reached: {ranks} ranks "
+                            f"of this job hold {held} bytes pinned on this node",
+                            "pin_budget_per_node")
+            return None
         buffer = torch.empty(nbytes, dtype=torch.uint8)
         try:
-            self._register(buffer)
+            if self._register_buffers:
+                self._register(buffer)
         except (RuntimeError, OSError) as e:
+            if node is not None:
+                node.release(nbytes)
             self._pin_failed = True
             self._fall_back(f"pinning {nbytes} bytes of host memory failed ({e})")
             return None
-        self._registered.append(buffer)
+        if self._register_buffers:
+            self._registered.append(buffer)
         self._stats.pinned_bytes += nbytes
         self._stats.pinned_allocations += 1
         return buffer
@@ -261,13 +278,13 @@ class _HostPool:
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister returned error {int(err)}")
 
-    def _fall_back(self, why: str) -> None:
+    def _fall_back(self, why: str, knob: str = "pin_budget") -> None:
         self._stats.pinned_fallbacks += 1
         if not self._warned:
             self._warned = True
             warnings.warn(
                 f"actcfg offload: {why}; offloading into pageable host memory from here on, "
-                "which copies several times slower. Raise `pin_budget` (or free host memory) "
+                f"which copies several times slower. Raise `{knob}` (or free host memory) "
                 "to keep every offload pinned.",
                 OffloadWarning,
                 stacklevel=4,
@@ -276,6 +293,8 @@ class _HostPool:
     def close(self) -> None:
         """Unpin and drop every buffer. The caller makes sure no copy is in flight."""
         with self._lock:
+            if self._node is not None:
+                self._node.close()
             if not self._registered:
                 self._free.clear()
                 return
@@ -452,6 +471,7 @@ class OffloadEngine:
         *,
         pin: bool = True,
         pin_budget: int | None = None,
+        pin_budget_per_node: int | None = None,
         min_offload_bytes: int = 1 << 20,
         max_inflight: int = 1,
         prefetch: int = 1,
@@ -485,8 +505,11 @@ class OffloadEngine:
         self._offload_groups_last_step: int | None = None
         self._offload_groups = 0
         self._stats = OffloadStats()
-        # Pinning is a CUDA registration: the host loopback copies between pageable buffers.
-        self._pool = _HostPool(pin and self.device.type == "cuda", pin_budget, self._stats)
+        # Pinning is a CUDA registration: the host loopback counts its buffers as pinned (so
+        # both budgets act in CPU CI) and registers none.
+        node = NodeBudget(pin_budget_per_node) if pin and pin_budget_per_node is not None else None
+        self._pool = _HostPool(pin, pin_budget, self._stats, node,
+                               register=self.device.type == "cuda")
         self._copies = _Copies(self.device)
         self._skip_modules: list[weakref.ref[nn.Module]] = []
         self._buffers: set[int] = set()
