@@ -52,15 +52,20 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
     """Profile `model` on `inputs`, solve for `policy.memory_budget`, and return the plan as a
     `checkpoint.mode: rules` policy with the report of what was planned. `apply` is
     `actcfg.runtime.apply` (passed in: the runtime sits above this package); `origin` names the
-    policy file in the written plan's header. PlanError when no plan fits."""
+    policy file in the written plan's header. PlanError when no plan fits. Under a process group
+    of several ranks, every rank plans from the ranks' profiles reduced to their worst case and
+    gets the same plan (`actcfg.plan.consensus`)."""
     from actcfg.checker import load
+    from actcfg.plan.consensus import agree, one_profile
     from actcfg.plan.profile import profile as run_profile
     from actcfg.reports import PlanReport
 
     profiled = run_profile(model, policy.checkpoint.modules, inputs, loss_fn=loss_fn, apply=apply,
                            pin=policy.pin, pin_budget=policy.pin_budget)
+    profiled = one_profile(profiled)  # the identity without a process group
     plan = solve(profiled, policy.memory_budget)
     text = policy_text(plan, profiled, policy, origin=origin)
+    agree(text)
     report = PlanReport(
         memory_budget=plan.budget,
         choices=tuple(zip(plan.blocks, plan.choices)),
