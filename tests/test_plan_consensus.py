@@ -91,7 +91,7 @@ def _rank_plans(rank: int, out_dir: str, port: int, world: int) -> None:
 
     from actcfg.offload import host_loopback
     from actcfg.plan import predict, solve
-    from actcfg.plan.consensus import copy_together, one_profile
+    from actcfg.plan.consensus import agree, copy_together, one_profile
     from actcfg.plan.profile import profile
     from actcfg.runtime import apply
 
@@ -145,6 +145,11 @@ def _rank_plans(rank: int, out_dir: str, port: int, world: int) -> None:
         # every rank copying at once.
         fake = replace(own, d2h_gbps=1e6, h2d_gbps=1e6)
         contended = one_profile(fake, copy_bytes=8 << 20)
+    try:  # ranks whose plans differ (here: by construction) are refused on every rank
+        agree(f"the plan of rank {rank}")
+        disagreed = ""
+    except PlanError as e:
+        disagreed = str(e)
     write_result(out_dir, rank, {
         "policy_yaml": plan.policy_yaml, "choices": choices, "applied": applied,
         "budget": budget, "predicted_peak": plan.predicted_peak,
@@ -152,6 +157,7 @@ def _rank_plans(rank: int, out_dir: str, port: int, world: int) -> None:
         "arrived": together.arrived, "started": together.started, "ranks": together.ranks,
         "together": [together.d2h_gbps, together.h2d_gbps],
         "contended": [contended.d2h_gbps, contended.h2d_gbps], "notes": list(contended.notes),
+        "disagreed": disagreed,
     })
     dist.barrier()
     dist.destroy_process_group()
@@ -171,6 +177,8 @@ def test_every_rank_applies_the_same_plan_and_it_fits_each(tmp_path, world):
         assert r["predicted_peak"] <= r["budget"]
         # the shared plan fits what this rank itself measured (bytes reduced by their largest)
         assert r["own_peak"] <= r["budget"], r
+        assert r["disagreed"].startswith("the ranks planned differently (rank 1's plan is not "
+                                         "rank 0's), although they planned from one reduced profile")
     # The copy bandwidth measured together: each rank began after the last one arrived.
     assert min(r["started"] for r in ranks) >= max(r["arrived"] for r in ranks)
     for r in ranks:
