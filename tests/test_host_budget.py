@@ -13,7 +13,6 @@ import multiprocessing
 import os
 import signal
 import warnings
-from pathlib import Path
 
 import pytest
 

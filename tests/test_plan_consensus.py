@@ -42,7 +42,7 @@ def _profile(scale: float, held: int, *, offload: bool = True, names=("a", "b"))
         notes=(f"rank note {scale}",))
 
 
-def test_the_reduction_takes_the_slowest_cost_the_shortest_window_the_largest_bytes_and_the_lowest_bandwidth():
+def test_the_reduction_takes_the_worst_case_of_each_figure():
     fast_big, slow_small = _profile(1.0, 4000), _profile(3.0, 1000, offload=False)
     out = reduce_profiles([fast_big, slow_small])
     assert [b.name for b in out.blocks] == ["a", "b"]

@@ -159,9 +159,9 @@ class Together:
 
 def copy_together(group: Any = None, nbytes: int = COPY_BYTES, repeats: int = 3) -> Together | None:
     """Every rank of `group` times `repeats` copies each way after one warm-up, each copy begun
-    on a barrier, so that they all copy at once as they do in training; None without a group.
-    On CUDA a pinned host buffer and the current GPU, as the offload engine copies; else one
-    host buffer into another."""
+    on a barrier, so that they all copy at once as they do in training. On CUDA a pinned host
+    buffer and the current GPU, as the offload engine copies; else one host buffer into
+    another. None without a group, or when a rank could not pin its buffer."""
     group = group_of_ranks(group)
     if group is None:
         return None
@@ -171,10 +171,21 @@ def copy_together(group: Any = None, nbytes: int = COPY_BYTES, repeats: int = 3)
     cuda = torch.cuda.is_available()
     if cuda:
         device_buffer = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        # Pinned as the offload engine pins: registered at its exact size and unregistered after.
+        # (pin_memory=True would leave the buffer in torch's pinned cache, locked, after the
+        # measurement, outside every budget.)
+        host = torch.empty(nbytes, dtype=torch.uint8)
+        pinned = int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0)) == 0
     else:
         device_buffer = torch.ones(nbytes, dtype=torch.uint8)
         host = torch.empty(nbytes, dtype=torch.uint8)
+        pinned = True
+    # Every rank learns whether every rank could pin before any waits on a barrier: one that
+    # could not must not leave the others waiting, nor time a pageable copy as a pinned one.
+    if not all(_gather(pinned, group)):
+        if cuda and pinned:
+            torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+        return None
     arrived = started = 0.0
     figures = []
     for dst, src in ((host, device_buffer), (device_buffer, host)):
@@ -201,6 +212,8 @@ def copy_together(group: Any = None, nbytes: int = COPY_BYTES, repeats: int = 3)
             if i:  # the first is a warm-up
                 times.append(ms)
         figures.append(nbytes / (statistics.median(times) * 1e6))
+    if cuda:
+        torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
     del device_buffer, host
     everyone = _gather(figures, group)
     return Together(d2h_gbps=min(f[0] for f in everyone), h2d_gbps=min(f[1] for f in everyone),
@@ -221,8 +234,8 @@ def one_profile(profile: Profile, group: Any = None, *, contended: bool = True,
         return profile
     reduced = reduce_profiles([Profile.from_json(p) for p in _gather(profile.to_json(), group)])
     # Every rank takes the same branch: the reduced profile and the environment are the same.
-    together = (copy_together(group, copy_bytes) if contended and reduced.d2h_gbps > 0 and local_ranks()[1] > 1
-                else None)
+    measure = contended and reduced.d2h_gbps > 0 and local_ranks()[1] > 1
+    together = copy_together(group, copy_bytes) if measure else None
     if together is not None:
         d2h, h2d = min(reduced.d2h_gbps, together.d2h_gbps), min(reduced.h2d_gbps, together.h2d_gbps)
         note = (f"copy bandwidth with {together.ranks} ranks copying at once: to the host "
@@ -230,6 +243,10 @@ def one_profile(profile: Profile, group: Any = None, *, contended: bool = True,
                 f"{reduced.d2h_gbps:.1f} and {reduced.h2d_gbps:.1f}); the plan uses the lower")
         reduced = dataclasses.replace(reduced, d2h_gbps=d2h, h2d_gbps=h2d,
                                       notes=(*reduced.notes, note))
+    elif measure:
+        reduced = dataclasses.replace(reduced, notes=(
+            *reduced.notes, "copy bandwidth with every rank copying at once: not measured (a rank "
+            "could not pin its buffer); the plan uses the bandwidth alone"))
     return reduced
 
 
