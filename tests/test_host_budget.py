@@ -178,6 +178,8 @@ def test_four_ranks_never_pin_more_than_the_node_budget_together(tmp_path):
     ranks = run_ranks(_rank_pins_within_the_node, out, world, str(tmp_path / "ledger"), budget,
                       world=world, timeout=TIMEOUT)
     pinned = [r["pinned"] for r in ranks]
+    print(f"one rank pins {need} B unbounded; node budget {budget} B; pinned per rank {pinned} "
+          f"(sum {sum(pinned)}); pageable per rank {[r['pageable'] for r in ranks]}")
     assert 0 < sum(pinned) <= budget, pinned
     assert sum(pinned) >= budget - need  # the budget is used, not left idle by a wrong split
     assert sum(r["fallbacks"] for r in ranks) > 0  # and what did not fit went pageable
