@@ -112,7 +112,8 @@ class NodeBudget:
         self._own = ""
         try:
             self._open()
-        except OSError as e:
+        except OSError as e:  # no /dev/shm, read-only, no flock on this filesystem, ...
+            self._abandon()
             self.split = budget // self.local_world
             self.why_split = f"the node's ledger at {self.path} cannot be used ({e})"
         _LOG.info(self.share_line())
@@ -131,6 +132,18 @@ class NodeBudget:
             self._own_fd = os.open(self._own, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             fcntl.flock(self._own_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             self._write()
+
+    def _abandon(self) -> None:
+        """Close what a failed `_open` left open."""
+        for fd in (self._own_fd, self._dir_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        if self._own:
+            with contextlib.suppress(OSError):
+                os.unlink(self._own)
+        self._own_fd = self._dir_fd = -1
+        self._own = ""
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
