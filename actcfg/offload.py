@@ -293,10 +293,9 @@ class _HostPool:
     def close(self) -> None:
         """Unpin and drop every buffer. The caller makes sure no copy is in flight."""
         with self._lock:
-            if self._node is not None:
-                self._node.close()
             if not self._registered:
                 self._free.clear()
+                self._leave_node()
                 return
             torch.cuda.synchronize()  # no copy may still touch a buffer we unpin
             cudart = torch.cuda.cudart()
@@ -304,6 +303,12 @@ class _HostPool:
                 cudart.cudaHostUnregister(buffer.data_ptr())
             self._registered.clear()
             self._free.clear()
+            self._leave_node()
+
+    def _leave_node(self) -> None:
+        # Only once nothing is pinned any more: another rank may pin these bytes right after.
+        if self._node is not None:
+            self._node.close()
 
 
 # --- what autograd keeps ------------------------------------------------------------------------
