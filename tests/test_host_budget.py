@@ -233,3 +233,34 @@ def test_other_backends_refuse_the_key(backend):
     assert finding.severity == "error"
     assert finding.message.startswith("`pin_budget_per_node` ")
     assert "remove `pin_budget_per_node`" in finding.hint
+
+
+def test_a_plan_that_offloads_keeps_the_node_budget_and_apply_reports_it(tmp_path, monkeypatch):
+    import torch
+
+    from actcfg.checker import load
+    from actcfg.offload import host_loopback
+    from actcfg.plan.model import BlockProfile, Option, Profile
+    from actcfg.plan.solve import Plan
+    from actcfg.plan.write import policy_text
+    from actcfg.probes import blocks
+    from actcfg.runtime import apply
+    from actcfg.schema import Policy
+
+    profile = Profile(blocks=(BlockProfile("blocks.0", 1.0, 2.0, {"offload": Option(held=0, moved=8)}),),
+                      plain_step_ms=3.0, plain_peak=8, turn_peak=0, forward_after_ms=1.0,
+                      backward_before_ms=1.0, device="cpu")
+    source = Policy.model_validate({"version": 1, "checkpoint": {"mode": "auto", "modules": ["Block"]},
+                                    "memory_budget": "1GiB", "pin_budget_per_node": "2GiB"})
+    text = policy_text(Plan(("blocks.0",), ("offload",), 1, 3.0, 8, 2**30), profile, source)
+    assert text.endswith("pin_budget_per_node: 2GiB\n")
+    monkeypatch.setenv(LEDGER_DIR_ENV, str(tmp_path))
+    path = tmp_path / "plan.yaml"
+    path.write_text(text)
+    model, x = blocks(n=2, d_model=64, heads=4, ffn=128, batch=4, seq=64, dtype=torch.float32,
+                      device="cpu")
+    with host_loopback(), apply(model, load(path)) as handle:
+        assert handle.report()["offload"]["pin_budget_per_node"] == 2 * 2**30
+        handle.engine.min_offload_bytes = 1 << 14  # these blocks' activations are 64 KiB
+        model(x).square().mean().backward()
+        assert handle.engine.stats.pinned_bytes > 0  # the loopback's buffers, counted as pinned
