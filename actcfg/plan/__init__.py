@@ -54,7 +54,7 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
     `actcfg.runtime.apply` (passed in: the runtime sits above this package); `origin` names the
     policy file in the written plan's header. PlanError when no plan fits. Under a process group
     of several ranks, every rank plans from the ranks' profiles reduced to their worst case and
-    gets the same plan (`actcfg.plan.consensus`)."""
+    gets the same plan (`actcfg.plan.consensus`): a collective, which every rank must call."""
     from actcfg.checker import load
     from actcfg.plan.consensus import agree, one_profile
     from actcfg.plan.profile import profile as run_profile

@@ -27,7 +27,10 @@ the same plan; `agree` still compares the written plans across ranks and raises 
 (an unequal `memory_budget`, say), rather than let ranks train under different policies.
 
 Without an initialised process group of more than one rank, every function here is the
-identity: one process plans alone as before. torch is imported only when a group is up.
+identity: one process plans alone as before. torch is imported only when a group is up. With
+one, planning is a collective: every rank of the group plans (as a training script that calls
+`actcfg.apply` on each rank does); a rank that plans alone, or fails before the exchange, leaves
+the others waiting until the group's timeout.
 """
 
 from __future__ import annotations
