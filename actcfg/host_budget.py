@@ -108,6 +108,8 @@ class NodeBudget:
         self.path = os.path.join(root or ledger_root(), f"actcfg-pin-{os.getuid()}-{digest}")
         self.split: int | None = None
         """Set when the ledger could not be opened: this rank's even share of the budget."""
+        self.why_split = ""
+        """Why the ledger could not be opened (with `split`)."""
         self._dir_fd = self._own_fd = -1
         self._own = ""
         try:
