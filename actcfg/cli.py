@@ -675,6 +675,22 @@ def _to_device(value: Any, device: Any) -> Any:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    """Under torchrun every rank profiles, the ranks plan from their profiles reduced to the
+    worst case (actcfg.plan.consensus) and all apply the same plan; only rank 0 writes (the
+    plan file, the report, the errors), and every rank returns the exit code of the slowest."""
+    if _launched_rank() == 0:
+        return _plan_here(args)
+    quiet = io.StringIO()
+    with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+        try:
+            return _plan_here(args, write=False)
+        except _Usage:
+            return 2
+        except ActcfgError:
+            return 1
+
+
+def _plan_here(args: argparse.Namespace, write: bool = True) -> int:
     """Profile, solve, write the rules policy, apply it and measure: exit 0 when the measured
     peak is within the budget, 1 when it is not or no plan fits, 2 for usage."""
     from actcfg.policy.schema import parse_size
@@ -720,28 +736,35 @@ def _plan(args: argparse.Namespace) -> int:
         return _refuse_verify(args, 2, str(e))
     from actcfg.errors import PlanError
     from actcfg.plan import plan_model
+    from actcfg.plan.consensus import slowest_rank
     from actcfg.plan.profile import measure_steps
     from actcfg.api import apply
     from actcfg.verification.measure import BUILD_SEED
 
-    torch.manual_seed(BUILD_SEED)
-    try:
-        model, inputs = _build(factory, args.model)
-    except _Usage as e:
-        return _refuse_verify(args, 2, str(e))
-    if any(t.device.type != "cuda" for t in [*model.parameters(), *model.buffers()]):
-        model.cuda()
-    inputs = _to_device(inputs, next(model.parameters()).device)
-    try:
-        planned = plan_model(model, policy, inputs, apply=apply, origin=args.config)
-    except PlanError as e:
-        return _refuse_verify(args, 1, str(e), status="no-plan-fits")
-    with apply(model, planned.policy):
-        step_ms, peak = measure_steps(model, inputs, steps=args.steps)
+    with contextlib.ExitStack() as stack:
+        try:  # under torchrun, the group the ranks plan together in (one GPU each)
+            stack.enter_context(_process_group(Backend.TORCH))
+        except _Usage as e:
+            return _refuse_verify(args, 2, str(e))
+        torch.manual_seed(BUILD_SEED)
+        try:
+            model, inputs = _build(factory, args.model)
+        except _Usage as e:
+            return _refuse_verify(args, 2, str(e))
+        if any(t.device.type != "cuda" for t in [*model.parameters(), *model.buffers()]):
+            model.cuda()
+        inputs = _to_device(inputs, next(model.parameters()).device)
+        try:
+            planned = plan_model(model, policy, inputs, apply=apply, origin=args.config)
+        except PlanError as e:
+            return _refuse_verify(args, 1, str(e), status="no-plan-fits")
+        with apply(model, planned.policy):
+            step_ms, peak = measure_steps(model, inputs, steps=args.steps)
+        step_ms, peak = slowest_rank(step_ms, peak)  # the plan holds only if it holds on each
     report, budget = planned.report, planned.plan.budget
     ok = peak <= budget
     unwritten = None
-    if args.output:
+    if args.output and write:  # one file, from rank 0
         try:
             _out(report.policy_yaml, args.output)
         except _Usage as e:

@@ -173,6 +173,7 @@ def test_external_checkpointing_wraps_nothing_and_offloads_what_the_model_keeps(
     assert plan.to_json() == {
         "checkpoint": {"api": None, "by": "the model"},
         "offload": {"engine": OFFLOAD_ENGINE, "scope": "all_saved", "pin": True, "pin_budget": None,
+                    "pin_budget_per_node": None,
                     "keep_last": 1, "max_inflight": 1},
     }
 

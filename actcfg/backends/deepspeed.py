@@ -65,6 +65,9 @@ TABLE: dict[str, Entry] = {
     "pin_budget": Unsupported(
         "torch-only", "`pin_budget` is torch-only: DeepSpeed cannot bound its pinned host memory",
         f"remove `pin_budget`, {_SET_TORCH}"),
+    "pin_budget_per_node": Unsupported(
+        "torch-only", "`pin_budget_per_node` is torch-only: DeepSpeed cannot bound the pinned host "
+        "memory of a node's ranks", f"remove `pin_budget_per_node`, {_SET_TORCH}"),
     **plan_fields("torch-only", "set `backend: torch`"),
 }
 """Policy field -> where DeepSpeed takes it (`Key.key`: ds_config JSON, `Key.kwarg`: configure())."""

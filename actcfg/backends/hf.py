@@ -72,6 +72,10 @@ TABLE: dict[str, Entry] = {
     "pin_budget": Unsupported(
         "not-in-hf", "`pin_budget` has no TrainingArguments equivalent: transformers' offload "
         "(torch's save_on_cpu) cannot bound its pinned memory", f"remove `pin_budget`, {_CALLBACK}"),
+    "pin_budget_per_node": Unsupported(
+        "not-in-hf", "`pin_budget_per_node` has no TrainingArguments equivalent: transformers' "
+        "offload (torch's save_on_cpu) cannot bound the pinned memory of a node's ranks",
+        f"remove `pin_budget_per_node`, {_CALLBACK}"),
     **plan_fields("not-in-hf", _PER_MODULE),
     **deepspeed_only(),
 }

@@ -28,6 +28,7 @@ TABLE: dict[str, Entry] = {
     "cpu_checkpointing": Key("offload.scope"),
     "pin": Key("offload.pin"),
     "pin_budget": Key("offload.pin_budget"),
+    "pin_budget_per_node": Key("offload.pin_budget_per_node"),
     # Read by the translator rule by rule (field_value does not look inside lists).
     "checkpoint.rules.modules": Key("checkpoint.rules[].modules"),
     "checkpoint.rules.mode": Key("checkpoint.rules[].checkpoint"),

@@ -53,7 +53,10 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
     """Profile `model` on `inputs`, solve for `policy.memory_budget`, and return the plan as a
     `checkpoint.mode: rules` policy with the report of what was planned. `apply` is
     the runtime's applier of a concrete policy (passed in by `actcfg.api`); `origin` names the
-    policy file in the written plan's header. PlanError when no plan fits."""
+    policy file in the written plan's header. PlanError when no plan fits. Under a process group
+    of several ranks, every rank plans from the ranks' profiles reduced to their worst case and
+    gets the same plan (`actcfg.plan.consensus`): a collective, which every rank must call."""
+    from actcfg.plan.consensus import agree, one_profile
     from actcfg.policy.checker import load
     from actcfg.runtime.step import default_loss
     from actcfg.plan.profile import profile as run_profile
@@ -63,8 +66,10 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
     checked = _checked_loss(loss_fn if loss_fn is not None else default_loss, loss_fn is None)
     profiled = run_profile(model, policy.checkpoint.modules, inputs, loss_fn=checked, apply=apply,
                            pin=policy.pin, pin_budget=policy.pin_budget)
+    profiled = one_profile(profiled)  # the identity without a process group
     plan = solve(profiled, policy.memory_budget)
     text = policy_text(plan, profiled, policy, origin=origin)
+    agree(text)
     report = PlanReport(
         memory_budget=plan.budget,
         choices=tuple(zip(plan.blocks, plan.choices)),

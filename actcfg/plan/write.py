@@ -41,7 +41,7 @@ def _mib_up(n: int) -> str:
 
 def policy_text(plan: Plan, profile: Profile, source: Any, *, origin: str = "") -> str:
     """The YAML text of `plan` as a `checkpoint.mode: rules` policy, keeping the settings of
-    the `mode: auto` policy it was planned for (`source`: backend; pin and pin_budget where a
+    the `mode: auto` policy it was planned for (`source`: backend; pin and the pin budgets where a
     rule offloads).
 
     Blocks that keep everything get a `mode: none` rule too, so every candidate is named and
@@ -81,4 +81,6 @@ def policy_text(plan: Plan, profile: Profile, source: Any, *, origin: str = "") 
         lines.append("pin: false")
     if offloads and source.pin_budget is not None:
         lines.append(f"pin_budget: {format_size(source.pin_budget)}")
+    if offloads and source.pin_budget_per_node is not None:
+        lines.append(f"pin_budget_per_node: {format_size(source.pin_budget_per_node)}")
     return "\n".join(lines) + "\n"

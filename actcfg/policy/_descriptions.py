@@ -33,6 +33,7 @@ DESCRIPTIONS: dict[str, str] = {
     'Policy.cpu_checkpointing': 'Keep checkpointed inputs in host memory until backward (DeepSpeed `cpu_checkpointing`);\ntorch with `checkpoint.mode: none` offloads every saved activation.',
     'Policy.pin': 'torch only: offload into page-locked (pinned) host buffers, which copy about 4x faster.',
     'Policy.pin_budget': 'torch only: most pinned host memory the offload engine holds, in bytes or a human size\n(`16GiB`); past it, pageable memory. Unset: no bound (buffers are reused step after step).',
+    'Policy.pin_budget_per_node': "torch only: most pinned host memory the offload engines of all the job's ranks on one node\nhold together, in bytes or a human size (`256GiB`); each rank pins what the others leave\n(first come, first served; `pin_budget` still bounds each one), past it pageable memory.\nUnset: no bound per node.",
     'Policy.contiguous': 'DeepSpeed only: pack partitioned activations into one preallocated buffer\n(DeepSpeed `contiguous_memory_optimization`); needs `partition`, and `num_checkpoints`\nunless `checkpoint.mode` is full (apply then passes the number of modules it routes).',
     'Policy.num_checkpoints': 'DeepSpeed only: checkpointed calls per step, sizing the contiguous buffers\n(DeepSpeed `number_checkpoints`); unset with `mode: full`: the number of routed modules.',
     'Policy.synchronize': 'DeepSpeed only: synchronize the device at every checkpoint boundary\n(DeepSpeed `synchronize_checkpoint_boundary`); for debugging and timing.',

@@ -439,19 +439,20 @@ def check_rules(policy: Policy, backends: tuple[Backend | str, ...] = ()) -> lis
             "selective checkpointing runs only on torch's non-reentrant checkpoint",
             "remove `reentrant: true`, or use `mode: full`",
         ))
-    if policy.pin_budget is not None and not offloads(policy):
-        out.append(Finding(
-            "unused-setting", "warning", ("pin_budget",),
-            "`pin_budget` bounds host memory for offloaded activations, but `cpu_checkpointing` "
-            "is off: nothing is offloaded",
-            "set `cpu_checkpointing: true`, or remove `pin_budget`",
-        ))
-    elif policy.pin_budget is not None and not policy.pin:
-        out.append(Finding(
-            "unused-setting", "warning", ("pin_budget",),
-            "`pin_budget` bounds pinned memory, but `pin: false` pins nothing",
-            "remove `pin_budget`, or set `pin: true`",
-        ))
+    for key in ("pin_budget", "pin_budget_per_node"):
+        if getattr(policy, key) is not None and not offloads(policy):
+            out.append(Finding(
+                "unused-setting", "warning", (key,),
+                f"`{key}` bounds host memory for offloaded activations, but `cpu_checkpointing` "
+                "is off: nothing is offloaded",
+                f"set `cpu_checkpointing: true`, or remove `{key}`",
+            ))
+        elif getattr(policy, key) is not None and not policy.pin:
+            out.append(Finding(
+                "unused-setting", "warning", (key,),
+                f"`{key}` bounds pinned memory, but `pin: false` pins nothing",
+                f"remove `{key}`, or set `pin: true`",
+            ))
     seen: set[Backend] = set()
     for backend in map(Backend.parse, (policy.backend, *backends)):
         if backend in seen:
@@ -505,6 +506,12 @@ class Policy(_Strict):
     pin_budget: Size | None = Field(None, description=_DOC["Policy.pin_budget"])
     """torch only: most pinned host memory the offload engine holds, in bytes or a human size
     (`16GiB`); past it, pageable memory. Unset: no bound (buffers are reused step after step)."""
+
+    pin_budget_per_node: Size | None = Field(None, description=_DOC["Policy.pin_budget_per_node"])
+    """torch only: most pinned host memory the offload engines of all the job's ranks on one node
+    hold together, in bytes or a human size (`256GiB`); each rank pins what the others leave
+    (first come, first served; `pin_budget` still bounds each one), past it pageable memory.
+    Unset: no bound per node."""
 
     contiguous: StrictBool = Field(False, description=_DOC["Policy.contiguous"])
     """DeepSpeed only: pack partitioned activations into one preallocated buffer

@@ -193,7 +193,9 @@ class AppliedPolicy:
                          f"({_short_list(ck.modules)}{every}) via {ck.api}")
         if self.offload is not None:
             budget = self.offload.pin_budget
+            node = self.offload.pin_budget_per_node
             mem = ("pinned" + (f" up to {format_size(budget)}" if budget is not None else "")
+                   + (f" ({format_size(node)} per node)" if node is not None else "")
                    if self.offload.pin else "pageable")
             parts.append(f"cpu offload of {self.offload.scope} into {mem} host memory, "
                          f"{len(self.offload.groups)} groups ({self.offload.grouping})")

@@ -20,8 +20,9 @@ fastest offload runtimes do (../shared/reference/BACKENDS.md section 3):
   groups do not count).
 * Host memory comes from a pool reused across steps: page-locked (pinned) buffers registered with
   `cudaHostRegister` at their exact size (torch's pinned allocator rounds every request up to a
-  power of two), never more than `pin_budget` in total; past it, or if pinning fails, pageable
-  buffers with one warning.
+  power of two), never more than `pin_budget` in total, nor more than this process's part of
+  `pin_budget_per_node` (a ledger the node's ranks share: actcfg.runtime.host_budget); past either, or
+  if pinning fails, pageable buffers with one warning.
 * A saved view travels with its whole storage (q, k and v of one projection are one copy), and
   is rebuilt on the reloaded storage with its own strides and offset: `unpack(pack(t))` equals
   `t` in value, size, dtype and device, as torch's hook contract asks, and in layout too. That
@@ -43,7 +44,8 @@ fastest offload runtimes do (../shared/reference/BACKENDS.md section 3):
 
 The engine runs on CUDA. `host_loopback()` lets it run on the CPU, "offloading" CPU tensors into
 separate host buffers with synchronous copies: every decision, count and check is the same, so
-CPU-only CI exercises the real engine; `actcfg.apply` never offloads CPU models otherwise.
+CPU-only CI exercises the real engine; `actcfg.apply` never offloads CPU models otherwise. With
+`pin`, its buffers count as pinned (within both budgets) without being registered.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ import torch
 from torch import nn
 
 from actcfg.errors import OffloadError
+from actcfg.runtime.host_budget import NodeBudget
 
 __all__ = ["OffloadEngine", "OffloadStats", "OffloadWarning", "host_loopback", "loopback_enabled"]
 
@@ -232,9 +235,12 @@ class _HostPool:
     their cost), which is how the host loopback exercises it.
     """
 
-    def __init__(self, pin: bool, pin_budget: int | None, stats: OffloadStats) -> None:
+    def __init__(self, pin: bool, pin_budget: int | None, stats: OffloadStats,
+                 node: NodeBudget | None = None, register: bool = True) -> None:
         self._pin = pin
         self._budget = pin_budget
+        self._node = node  # this process's account of pin_budget_per_node
+        self._register_buffers = register  # False on the host loopback: counted, not registered
         self._stats = stats
         self._free: dict[int, list[tuple[torch.Tensor, Any, bool]]] = {}
         self._registered: list[torch.Tensor] = []
@@ -309,6 +315,8 @@ class _HostPool:
         if pinned:
             if self._budget is not None and self._stats.pinned_bytes + nbytes > self._budget:
                 return
+            if self._node is not None and not self._node.reserve(nbytes):
+                return  # the node has no room for a guess; a request will say so if it needs it
             self._stats.pinned_bytes += nbytes  # reserved now, so the budget sees it at once
             self._stats.pinned_allocations += 1
         else:
@@ -331,8 +339,11 @@ class _HostPool:
             try:
                 if device is not None:
                     torch.cuda.set_device(device)  # this thread's current device only
-                self._register(buffer)
+                if self._register_buffers:
+                    self._register(buffer)
             except (RuntimeError, OSError) as e:
+                if self._node is not None:
+                    self._node.release(nbytes)
                 with self._lock:
                     self._stats.pinned_bytes -= nbytes
                     self._stats.pinned_allocations -= 1
@@ -344,8 +355,10 @@ class _HostPool:
             if self._closed:  # close() ran meanwhile: nothing may stay registered
                 if pinned:
                     self._unregister(buffer)
+                    if self._node is not None:
+                        self._node.release(nbytes)
                 return
-            if pinned:
+            if pinned and self._register_buffers:
                 self._registered.append(buffer)
             self._free.setdefault(nbytes, []).append((buffer, None, pinned))
             self._spares.add(buffer.data_ptr())
@@ -365,15 +378,26 @@ class _HostPool:
                 else "pinning host memory failed earlier"
             )
             return None
+        node = self._node
+        if node is not None and not node.reserve(nbytes):
+            held, ranks = node.node_held()
+            self._fall_back(f"pin_budget_per_node ({node.budget} bytes) is reached: {ranks} ranks "
+                            f"of this job hold {held} bytes pinned on this node",
+                            "pin_budget_per_node")
+            return None
         buffer = _touched(nbytes)  # pages faulted in here, not under the driver's lock
         try:
-            self._register(buffer)
+            if self._register_buffers:
+                self._register(buffer)
         except (RuntimeError, OSError) as e:
+            if node is not None:
+                node.release(nbytes)
             self._pin_failed = True
             self._fall_back(f"pinning {nbytes} bytes of host memory failed ({e})")
             return None
         with self._lock:
-            self._registered.append(buffer)
+            if self._register_buffers:
+                self._registered.append(buffer)
             self._stats.pinned_bytes += nbytes
             self._stats.pinned_allocations += 1
         return buffer
@@ -394,6 +418,8 @@ class _HostPool:
                     self._spares.discard(entry[0].data_ptr())
                     self._registered = [b for b in self._registered if b is not entry[0]]
                     self._unregister(entry[0])  # never used by a copy: nothing reads it
+                    if self._node is not None:
+                        self._node.release(size)
                     self._stats.pinned_bytes -= size
 
     def _register(self, buffer: torch.Tensor) -> None:
@@ -407,15 +433,16 @@ class _HostPool:
             raise RuntimeError(f"cudaHostRegister returned error {int(err)}")
 
     def _unregister(self, buffer: torch.Tensor) -> None:
-        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+        if self._register_buffers:
+            torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
-    def _fall_back(self, why: str) -> None:
+    def _fall_back(self, why: str, knob: str = "pin_budget") -> None:
         self._stats.pinned_fallbacks += 1
         if not self._warned:
             self._warned = True
             warnings.warn(
                 f"actcfg offload: {why}; offloading into pageable host memory from here on, "
-                "which copies several times slower. Raise `pin_budget` (or free host memory) "
+                f"which copies several times slower. Raise `{knob}` (or free host memory) "
                 "to keep every offload pinned.",
                 OffloadWarning,
                 stacklevel=4,
@@ -434,6 +461,7 @@ class _HostPool:
             self._pending.clear()
             if not self._registered:
                 self._free.clear()
+                self._leave_node()
                 return
             if torch.cuda.is_initialized():
                 torch.cuda.synchronize()  # no copy may still touch a buffer we unpin
@@ -441,6 +469,12 @@ class _HostPool:
                 self._unregister(buffer)
             self._registered.clear()
             self._free.clear()
+            self._leave_node()
+
+    def _leave_node(self) -> None:
+        # Only once nothing is pinned any more: another rank may pin these bytes right after.
+        if self._node is not None:
+            self._node.close()
 
 
 # cudaHostRegisterPortable (driver_types.h).
@@ -623,6 +657,7 @@ class OffloadEngine:
         *,
         pin: bool = True,
         pin_budget: int | None = None,
+        pin_budget_per_node: int | None = None,
         min_offload_bytes: int = 1 << 20,
         max_inflight: int = 1,
         prefetch: int = 1,
@@ -656,8 +691,11 @@ class OffloadEngine:
         self._offload_groups_last_step: int | None = None
         self._offload_groups = 0
         self._stats = OffloadStats()
-        # Pinning is a CUDA registration: the host loopback copies between pageable buffers.
-        self._pool = _HostPool(pin and self.device.type == "cuda", pin_budget, self._stats)
+        # Pinning is a CUDA registration: the host loopback counts its buffers as pinned (so
+        # both budgets act in CPU CI) and registers none.
+        node = NodeBudget(pin_budget_per_node) if pin and pin_budget_per_node is not None else None
+        self._pool = _HostPool(pin, pin_budget, self._stats, node,
+                               register=self.device.type == "cuda")
         self._copies = _Copies(self.device)
         self._skip_modules: list[weakref.ref[nn.Module]] = []
         self._buffers: set[int] = set()

@@ -101,6 +101,8 @@ class OffloadReport:
     within: str = ""
     """Qualified name of the module whose forward is the offload step ("": the model): the
     innermost one with a forward of its own that contains every group."""
+    pin_budget_per_node: int | None = None
+    """Most pinned bytes of all the job's ranks on this node together (None: unbounded)."""
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able form."""

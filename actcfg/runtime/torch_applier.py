@@ -339,7 +339,8 @@ def _apply_offload(model: nn.Module, plan: OffloadPlan, selected: list[tuple[str
             raise PolicyApplyError(
                 f"cpu_checkpointing: {label(name, module)} is a TorchScript module, on which actcfg "
                 "cannot mark an offload group; apply the policy before torch.jit.script")
-    engine = OffloadEngine(pin=plan.pin, pin_budget=plan.pin_budget, keep_last=plan.keep_last,
+    engine = OffloadEngine(pin=plan.pin, pin_budget=plan.pin_budget,
+                           pin_budget_per_node=plan.pin_budget_per_node, keep_last=plan.keep_last,
                            max_inflight=plan.max_inflight, device=device)
     engine.skip_tensors_of(model)
     rules = plan.scope == "rules"
@@ -367,7 +368,7 @@ def _apply_offload(model: nn.Module, plan: OffloadPlan, selected: list[tuple[str
         engine=plan.engine, scope=plan.scope, pin=plan.pin and device.type == "cuda",
         pin_budget=plan.pin_budget, min_offload_bytes=engine.min_offload_bytes,
         device=str(engine.device), groups=tuple(n for n, _ in groups), grouping=grouping,
-        within=within,
+        within=within, pin_budget_per_node=plan.pin_budget_per_node,
     ))
 
 

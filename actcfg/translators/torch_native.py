@@ -178,6 +178,9 @@ class OffloadPlan:
     """Page-locked host buffers."""
     pin_budget: int | None
     """Most pinned bytes held; past it, pageable memory. None = unbounded."""
+    pin_budget_per_node: int | None = None
+    """Most pinned bytes the engines of all the job's ranks on one node hold together (a ledger
+    they share, `actcfg.runtime.host_budget`). None = unbounded."""
     keep_last: int = 1
     """Groups marked for offload that stay on the device at the forward/backward turn, newest first."""
     max_inflight: int = 1
@@ -188,7 +191,8 @@ class OffloadPlan:
     def to_json(self) -> dict[str, Any]:
         """JSON-able form, keys in a stable order."""
         return {"engine": self.engine, "scope": self.scope, "pin": self.pin,
-                "pin_budget": self.pin_budget, "keep_last": self.keep_last,
+                "pin_budget": self.pin_budget, "pin_budget_per_node": self.pin_budget_per_node,
+                "keep_last": self.keep_last,
                 "max_inflight": self.max_inflight}
 
 
@@ -247,6 +251,7 @@ def to_torch_native(policy: Policy) -> WrapPlan:
             scope="checkpoint_inputs" if mode in ("full", "selective") else "all_saved",
             pin=dest["offload.pin"],
             pin_budget=dest["offload.pin_budget"],
+            pin_budget_per_node=dest["offload.pin_budget_per_node"],
         )
     return WrapPlan(checkpoint=checkpoint, offload=offload)
 
@@ -273,6 +278,7 @@ def _rules_plan(policy: Policy, dest: dict[str, Any]) -> WrapPlan:
     if any(r.offload for r in rules):
         offload = OffloadPlan(scope="rules", pin=dest["offload.pin"],
                               pin_budget=dest["offload.pin_budget"],
+                              pin_budget_per_node=dest["offload.pin_budget_per_node"],
                               keep_last=dest["offload.keep_last"],
                               max_inflight=dest["offload.max_inflight"])
     return WrapPlan(checkpoint=plan, offload=offload)
