@@ -14,6 +14,7 @@ import pytest
 import actcfg.cli
 from actcfg.checker import check_file
 from actcfg.schema import policy_json_schema
+from _timeouts import scaled
 from conftest import CONFIGS, DATA, ROOT
 
 DS_CPU = ROOT / "configs" / "deepspeed-cpu-checkpointing.yaml"
@@ -560,7 +561,7 @@ def test_plan_needs_a_model(run_cli):
 def _python(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items() if k != "GITHUB_ACTIONS"} | env
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT,
-                          env=environ, timeout=60)
+                          env=environ, timeout=scaled(60))
 
 
 def test_python_m_actcfg_validate():
@@ -597,7 +598,7 @@ def test_a_full_disk_on_stdout_or_stderr_exits_2_without_a_traceback(argv, strea
     environ = {k: v for k, v in os.environ.items() if k != "GITHUB_ACTIONS"}
     with open("/dev/full", "w") as full:
         proc = subprocess.run([sys.executable, "-m", "actcfg", *argv], cwd=ROOT, env=environ,
-                              text=True, timeout=60, stdin=subprocess.DEVNULL,
+                              text=True, timeout=scaled(60), stdin=subprocess.DEVNULL,
                               stdout=full if stream == "stdout" else subprocess.PIPE,
                               stderr=full if stream == "stderr" else subprocess.PIPE)
     assert proc.returncode == 2
@@ -691,9 +692,10 @@ def test_the_documented_rev_is_the_version_tag():
 def _git(cwd, *args: str) -> None:
     subprocess.run(["git", "-c", "user.name=actcfg-test", "-c", "user.email=test@actcfg.invalid",
                     "-c", "commit.gpgsign=false", *args], cwd=cwd, check=True, capture_output=True,
-                   timeout=60)
+                   timeout=scaled(60))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["tag", "local"])
 def test_pre_commit_installs_the_hook_and_refuses_a_bad_policy(tmp_path, how):
     """Installs the documented hook into a throwaway repository and commits a good, then a bad
@@ -733,15 +735,15 @@ def test_pre_commit_installs_the_hook_and_refuses_a_bad_policy(tmp_path, how):
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
         "PRE_COMMIT_HOME": str(tmp_path / "pre-commit-home"), "GIT_CONFIG_NOSYSTEM": "1"}
     installed = subprocess.run(["pre-commit", "install"], cwd=project, env=environ,
-                               capture_output=True, text=True, timeout=120)
+                               capture_output=True, text=True, timeout=scaled(120))
     assert installed.returncode == 0, installed.stdout + installed.stderr
 
     def commit(name: str, source: Path) -> subprocess.CompletedProcess[str]:
         (project / "configs" / name).write_text(source.read_text())
-        subprocess.run(["git", "add", "-A"], cwd=project, check=True, env=environ, timeout=60)
+        subprocess.run(["git", "add", "-A"], cwd=project, check=True, env=environ, timeout=scaled(60))
         return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@actcfg.invalid",
                                "-c", "commit.gpgsign=false", "commit", "-qm", name],
-                              cwd=project, env=environ, capture_output=True, text=True, timeout=120)
+                              cwd=project, env=environ, capture_output=True, text=True, timeout=scaled(120))
 
     good = commit("good.yaml", DS_CPU)
     assert good.returncode == 0, good.stdout + good.stderr
