@@ -24,7 +24,7 @@ from actcfg._wrap import (
     refuse_stacked_checkpointing,
     select_modules,
 )
-from actcfg.errors import PolicyApplyError, TranslationError
+from actcfg.errors import PolicyApplyError, TranslationError, install_command
 from actcfg.reports import CheckpointCounters, CheckpointReport, DeepSpeedReport
 from actcfg.schema import Policy
 
@@ -54,8 +54,8 @@ def _deepspeed() -> Any:
         from deepspeed.runtime.activation_checkpointing import checkpointing
     except ImportError as e:
         raise PolicyApplyError(
-            "the deepspeed backend needs DeepSpeed, which is not installed: run "
-            "`pip install actcfg[deepspeed]`, or set `backend: torch`"
+            "the deepspeed backend needs DeepSpeed, which is not installed: "
+            f"{install_command('deepspeed')}, or set `backend: torch`"
         ) from e
     return checkpointing
 

@@ -21,7 +21,7 @@ from typing import Any
 from actcfg._version import __version__
 from actcfg.checker import check_document, check_file, failure_diagnostic
 from actcfg.diagnostics import REPORTER_BY_NAME, Diagnostic, Result, escape_controls
-from actcfg.errors import ActcfgError, TranslationError
+from actcfg.errors import ActcfgError, TranslationError, install_command
 from actcfg.backends import RUNTIME_BACKENDS, Backend
 from actcfg.loader import LoadFailure, read_document
 from actcfg.schema import policy_json_schema
@@ -440,6 +440,14 @@ def _verify(args: argparse.Namespace) -> int:
             return 1
 
 
+def _require_torch(command: str) -> None:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise ActcfgError(f"{command} needs torch, which is not installed: "
+                          f"{install_command('torch')}") from None
+
+
 def _verify_here(args: argparse.Namespace, write: bool = True) -> int:
     # Imported here, not above: verify measures with torch, and validate must never load it.
     from actcfg.verify import DEFAULT_MODEL, load_factory, require_cuda, verify
@@ -454,6 +462,7 @@ def _verify_here(args: argparse.Namespace, write: bool = True) -> int:
         return _refuse_verify(args, 2, f"--steps must be at least 1, got {args.steps}")
     backend = Backend.parse(args.backend) if args.backend else policy.backend
     try:  # what would stop the run is found before the GPU work, and is a usage error
+        _require_torch("actcfg verify")  # before the model: the default probe model needs it too
         factory = load_factory(args.model or DEFAULT_MODEL)
         require_cuda()
         if args.plot:
@@ -514,8 +523,8 @@ def _process_group(backend: Backend) -> Iterator[Any]:
             with contextlib.redirect_stdout(sys.stderr):
                 import deepspeed
         except ImportError:
-            raise _Usage("this policy's backend is deepspeed: "
-                         "pip install actcfg[deepspeed]") from None
+            raise _Usage("this policy's backend is deepspeed, and DeepSpeed is not installed: "
+                         f"{install_command('deepspeed')}") from None
     import torch
 
     before: dict[str, str | None] = {}
@@ -613,7 +622,7 @@ def _plan(args: argparse.Namespace) -> int:
         try:
             import torch
         except ImportError:
-            raise ActcfgError("actcfg plan needs torch: pip install actcfg[torch]") from None
+            raise ActcfgError(f"actcfg plan needs torch, which is not installed: {install_command('torch')}") from None
         if not torch.cuda.is_available():
             raise ActcfgError("actcfg plan profiles a training step on the GPU and needs a CUDA "
                               "GPU, but torch.cuda.is_available() is False here: run it on a GPU "
