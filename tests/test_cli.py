@@ -670,23 +670,28 @@ def test_pre_commit_hooks_run_validate(run_cli):
     assert run_cli(*hooks["actcfg-validate"]["entry"].split()[1:], *CONFIGS).code == 0
 
 
-def _docs_pre_commit_configs() -> list[dict]:
-    import yaml
-
+def _docs_pre_commit_block() -> str:
+    """docs/keys.md's `.pre-commit-config.yaml`, the one yaml block of its pre-commit section."""
     text = (ROOT / "docs" / "keys.md").read_text()
     section = text[text.index("## pre-commit"):]
     section = section[:section.index("\n## ", 1)]
-    return [yaml.safe_load(block) for block in re.findall(r"```yaml\n(.*?)```", section, re.S)]
+    (block,) = re.findall(r"```yaml\n(.*?)```", section, re.S)
+    return block
 
 
-def test_the_documented_rev_is_the_version_tag():
-    from actcfg._version import __version__
+def test_the_documented_hook_is_repo_local_and_runs_what_the_shipped_hook_runs():
+    """No release is tagged: the documented form works from a checkout today, with the shipped
+    hook's entry and files (issue 19: the old block named an unreleased tag and a placeholder)."""
+    import yaml
 
-    remote, path, local = _docs_pre_commit_configs()
-    assert [r["rev"] for c in (remote, path) for r in c["repos"]] == [f"v{__version__}"] * 2
-    assert [h["id"] for c in (remote, path) for r in c["repos"] for h in r["hooks"]] == [
-        "actcfg-validate", "actcfg-validate-system"]
-    assert local["repos"][0]["repo"] == "local"
+    config = yaml.safe_load(_docs_pre_commit_block())
+    (repo,) = config["repos"]
+    (hook,) = repo["hooks"]
+    shipped = {h["id"]: h for h in yaml.safe_load((ROOT / ".pre-commit-hooks.yaml").read_text())}
+    assert repo["repo"] == "local" and "rev" not in repo
+    assert (hook["id"], hook["language"]) == ("actcfg-validate", "system")
+    assert {k: hook[k] for k in ("entry", "types", "files")} == {
+        k: shipped["actcfg-validate-system"][k] for k in ("entry", "types", "files")}
 
 
 def _git(cwd, *args: str) -> None:
@@ -698,9 +703,10 @@ def _git(cwd, *args: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["tag", "local"])
 def test_pre_commit_installs_the_hook_and_refuses_a_bad_policy(tmp_path, how):
-    """Installs the documented hook into a throwaway repository and commits a good, then a bad
-    policy. No network: the hook repository is a local clone tagged with the version (a real
-    tag), or `repo: local`; both run the actcfg of this checkout."""
+    """Installs the hook into a throwaway repository and commits a good, then a bad policy. No
+    network: docs/keys.md's block exactly as written (`repo: local`), or the shipped
+    .pre-commit-hooks.yaml from a local clone tagged with the version (the form a release will
+    use); both run the actcfg of this checkout."""
     import shutil
 
     import yaml
@@ -709,7 +715,6 @@ def test_pre_commit_installs_the_hook_and_refuses_a_bad_policy(tmp_path, how):
 
     if shutil.which("pre-commit") is None or shutil.which("git") is None:
         pytest.skip("needs pre-commit and git")
-    remote, path_config, local = _docs_pre_commit_configs()
     bin_dir = tmp_path / "bin"  # `actcfg` on PATH = this checkout, run by this interpreter
     bin_dir.mkdir()
     shim = bin_dir / "actcfg"
@@ -723,13 +728,13 @@ def test_pre_commit_installs_the_hook_and_refuses_a_bad_policy(tmp_path, how):
         _git(hooks_repo, "add", ".")
         _git(hooks_repo, "commit", "-qm", "hooks")
         _git(hooks_repo, "tag", f"v{__version__}")
-        config = path_config
-        config["repos"][0]["repo"] = str(hooks_repo)
+        config = yaml.safe_dump({"repos": [{"repo": str(hooks_repo), "rev": f"v{__version__}",
+                                            "hooks": [{"id": "actcfg-validate-system"}]}]})
     else:
-        config = local
+        config = _docs_pre_commit_block()  # exactly as written
     project = tmp_path / "project"
     (project / "configs").mkdir(parents=True)
-    (project / ".pre-commit-config.yaml").write_text(yaml.safe_dump(config))
+    (project / ".pre-commit-config.yaml").write_text(config)
     _git(project, "init", "-q")
     environ = {k: v for k, v in os.environ.items() if k != "GITHUB_ACTIONS"} | {
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
