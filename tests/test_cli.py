@@ -190,14 +190,15 @@ def test_translate_merge_refuses_every_conflict_with_its_line(run_cli, tmp_path)
     assert result.err.splitlines() == [
         f'{ds}:3:5: error ds-config-conflict: `cpu_checkpointing`: the ds_config has "true", the '
         'policy gives true; "true" is not a JSON boolean, DeepSpeed tests it for truth and runs it '
-        "ON (write true in the ds_config, or remove `cpu_checkpointing` there)",
+        "ON (write true in the ds_config, or remove `cpu_checkpointing` there; or pass --replace to "
+        "take the policy's section)",
         f"{ds}:4:5: error ds-config-conflict: DeepSpeed reads only its six keys and ignores "
         "`checkpoint_in_cpu` (the configure() keyword argument name); the key is "
-        "`cpu_checkpointing` (remove it from the ds_config)",
+        "`cpu_checkpointing` (remove it from the ds_config; or pass --replace to take the policy's section)",
         f"{ds}:5:5: error ds-config-conflict: `profile`: the ds_config has 1, the policy gives "
         "false; 1 is not a JSON boolean, DeepSpeed tests it for truth and runs it ON (write false "
         "in the ds_config, or remove `profile` there, or set `profile: true` in the policy to keep "
-        "what DeepSpeed ran)",
+        "what DeepSpeed ran; or pass --replace to take the policy's section)",
     ]
     assert ds.read_bytes() == before
 
