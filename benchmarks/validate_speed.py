@@ -68,6 +68,10 @@ class Model(BaseModel):
 Model.model_validate(yaml.safe_load("every: 2"))
 """
 
+# The bare import floor: the two packages imported, no model built (what issue 19's 2.4x was
+# measured against, with actcfg compiled from source).
+IMPORTS = "import yaml\nfrom pydantic import BaseModel"
+
 # Each phase of a cold `actcfg validate`, timed in one fresh interpreter; prints name=ms pairs.
 PHASES = """
 import contextlib, io, sys, time
@@ -165,6 +169,7 @@ def main() -> None:
         "ours": (validate, None),
         "bare": ([python, "-c", "pass"], None),
         "floor": ([python, "-c", FLOOR], None),
+        "imports": ([python, "-c", IMPORTS], None),
     }
     with tempfile.TemporaryDirectory() as prefix:
         if sys.flags.dont_write_bytecode:
@@ -194,6 +199,10 @@ def main() -> None:
     if installed == "cached":
         print(f"  compiled from source each run: {median['ours'] / median['floor']:.2f}x wall, "
               f"{cpu['ours'] / cpu['floor']:.2f}x CPU")
+    print(f"  against the bare imports ({median['imports'] * 1000:.1f} ms, CPU {cpu['imports'] * 1000:.1f} ms; "
+          f"no model built): {median[installed] / median['imports']:.2f}x wall, "
+          f"{cpu[installed] / cpu['imports']:.2f}x CPU as installed"
+          + (f", {cpu['ours'] / cpu['imports']:.2f}x CPU compiled from source" if installed == "cached" else ""))
     phases = _phases(args.runs)
     for name, ms in phases.items():
         print(f"  {name + ':':34s} {ms:6.1f} ms")
