@@ -21,7 +21,7 @@ from typing import Any
 from actcfg._version import __version__
 from actcfg.policy.checker import check_document, check_file, failure_diagnostic
 from actcfg.policy.diagnostics import REPORTER_BY_NAME, Diagnostic, Result, escape_controls
-from actcfg.errors import ActcfgError, TranslationError
+from actcfg.errors import ActcfgError, TranslationError, install_command
 from actcfg.backends import RUNTIME_BACKENDS, Backend
 from actcfg.policy.loader import LoadFailure, read_document
 from actcfg.policy.schema import policy_json_schema
@@ -219,11 +219,39 @@ def _validate(args: argparse.Namespace) -> int:
     backends = tuple(args.backend or ())
     for path in args.files:
         _, diagnostics = check_file(path, backends=backends, at=args.at)
+        if args.at is None and any(d.severity == "error" for d in diagnostics):
+            diagnostics = _deepspeed_config_instead(path) or diagnostics
         result.add(path, diagnostics)
     _out(REPORTER_BY_NAME[name].render(result, args.strict))
     if name != "json":
-        _err(f"actcfg: {result.summary()}\n")
+        summary = result.summary()
+        if args.strict and result.warnings and not result.errors:
+            # Exit 1 under "0 errors" needs its reason on the same line.
+            summary += (f"; --strict fails on {'the warning' if len(result.warnings) == 1 else 'warnings'}")
+        _err(f"actcfg: {summary}\n")
     return _exit_code(result.diagnostics, args.strict)
+
+
+def _deepspeed_config_instead(path: str) -> list[Diagnostic]:
+    """For a file that failed validation: when it is a DeepSpeed (or gpt-neox) config, read as
+    DeepSpeed reads it (hjson: comments, trailing commas), the one error that says so and
+    points at `actcfg import`; else nothing. Only on failure: valid policies never pay for it."""
+    from actcfg.translators.ds_loader import read_config
+    from actcfg.translators.ds_config import deepspeed_keys
+
+    try:
+        doc = read_config(path)
+    except LoadFailure:
+        return []
+    keys = deepspeed_keys(doc.data)
+    if not keys:
+        return []
+    line, column = doc.locate((keys[0],), key=True)
+    named = ", ".join(f"`{k}`" for k in keys[:3]) + (", ..." if len(keys) > 3 else "")
+    return [Diagnostic(path, line, column, "deepspeed-config", "error",
+                       f"this is a DeepSpeed config ({named}), not an actcfg policy",
+                       f"`actcfg import {path}` writes the policy for what DeepSpeed runs from it; "
+                       "validate that policy")]
 
 
 def _add_validate(sub: Any) -> None:
@@ -291,6 +319,9 @@ def _read_config(path: str) -> tuple[Any, list[Diagnostic]]:
 
 def _merge(args: argparse.Namespace, section: dict[str, Any]) -> tuple[str | None, int]:
     """The ds_config's text with `section` spliced in, or None and the exit code."""
+    import dataclasses
+
+    from actcfg.backends.deepspeed import SECTION
     from actcfg.translators.ds_loader import JsonDocument, parse_config
     from actcfg.translators.ds_config import merge_conflicts, splice_section
 
@@ -304,8 +335,10 @@ def _merge(args: argparse.Namespace, section: dict[str, Any]) -> tuple[str | Non
         _report([Diagnostic(args.merge, 1, 1, "bad-value", "error", "a ds_config is a JSON object",
                             "pass the ds_config.json file")])
         return None, 1
-    diagnostics = _in_file_order(_problems(doc, args.merge)
-                                 + _located(doc, args.merge, merge_conflicts(doc.data, section)))
+    conflicts = merge_conflicts(doc.data, section, replace=args.replace)
+    conflicts = [dataclasses.replace(f, hint=f"{f.hint}; or pass --replace to take the policy's section")
+                 if f.code == "ds-config-conflict" and f.path[:1] == (SECTION,) else f for f in conflicts]
+    diagnostics = _in_file_order(_problems(doc, args.merge) + _located(doc, args.merge, conflicts))
     _report(diagnostics)
     if any(d.severity == "error" for d in diagnostics):
         return None, 1
@@ -343,6 +376,8 @@ def _translate(args: argparse.Namespace) -> int:
     backend = Backend.parse(args.backend) if args.backend else policy.backend
     if args.merge and backend is not Backend.DEEPSPEED:
         raise _Usage("--merge needs the deepspeed backend (it edits a ds_config)")
+    if args.replace and not args.merge:
+        raise _Usage("--replace goes with --merge DS_CONFIG (it replaces that file's section)")
     try:
         out = translate(policy, backend)
     except TranslationError as e:
@@ -362,11 +397,16 @@ def _translate(args: argparse.Namespace) -> int:
 
 def _add_translate(sub: Any) -> None:
     p = sub.add_parser("translate", help="print the backend's names for a policy, as JSON")
-    p.add_argument("file", metavar="FILE")
+    p.add_argument("file", metavar="FILE", help="the policy YAML file to translate")
     p.add_argument("--backend", choices=_BACKENDS, help="default: the policy's `backend`")
     p.add_argument("--merge", metavar="DS_CONFIG",
-                   help="print this ds_config.json with its activation_checkpointing section "
-                        "replaced (every other byte kept as written)")
+                   help="print this ds_config.json with the policy's activation_checkpointing "
+                        "section in it (every other byte kept as written); keys the file's "
+                        "section already has must agree with the policy, or it exits 1 naming "
+                        "each one")
+    p.add_argument("--replace", action="store_true",
+                   help="with --merge: replace a section that disagrees, with a warning naming "
+                        "each old value")
     p.add_argument("-o", "--output", metavar="OUT",
                    help="write here instead of stdout (never over an input)")
     p.add_argument("--at", metavar="KEY", help="dotted key of the policy inside a larger YAML")
@@ -376,6 +416,8 @@ def _add_translate(sub: Any) -> None:
 def _import(args: argparse.Namespace) -> int:
     if args.backend in (Backend.HF, Backend.LIGHTNING):
         return _import_trainer(args)
+    import dataclasses
+
     from actcfg.translators import import_ds_config
 
     _refuse_output_over(args.output, [args.file])
@@ -397,6 +439,8 @@ def _import(args: argparse.Namespace) -> int:
                                 num_checkpoints=args.num_checkpoints)
     diagnostics = _in_file_order(_problems(doc, args.file)
                                  + _located(doc, args.file, imported.findings))
+    diagnostics = [dataclasses.replace(d, hint=d.hint.replace("FILE", args.file))
+                   if d.code == "not-a-ds-config" else d for d in diagnostics]
     _report(diagnostics)
     if imported.yaml is None or any(d.severity == "error" for d in diagnostics):
         return 1
@@ -412,8 +456,11 @@ def _import_trainer(args: argparse.Namespace) -> int:
     hf = args.backend == Backend.HF
     trainer = "transformers" if hf else "Lightning"
     what = "TrainingArguments keywords" if hf else "DeepSpeedStrategy keywords"
-    if args.modules or args.external or args.num_checkpoints is not None:
-        raise _Usage("--modules, --external and --num-checkpoints are for a ds_config (--backend deepspeed)")
+    if hf and args.num_checkpoints is not None:
+        raise _Usage("--num-checkpoints sizes DeepSpeed's contiguous buffers: it is for --backend "
+                     "deepspeed or lightning, not hf")
+    if args.num_checkpoints is not None and args.num_checkpoints < 1:
+        raise _Usage(f"--num-checkpoints must be at least 1, got {args.num_checkpoints}")
     _refuse_output_over(args.output, [args.file])
     try:
         # As transformers reads the file: HfArgumentParser.parse_yaml_file is yaml.safe_load
@@ -433,7 +480,11 @@ def _import_trainer(args: argparse.Namespace) -> int:
         _report(problems)
         return 1
     try:
-        imported = (import_training_arguments if hf else import_strategy_keywords)(doc.data)
+        if hf:
+            imported = import_training_arguments(doc.data, modules=args.modules, external=args.external)
+        else:
+            imported = import_strategy_keywords(doc.data, modules=args.modules, external=args.external,
+                                                num_checkpoints=args.num_checkpoints)
     except TranslationError as e:
         _report([Diagnostic(args.file, None, None, "unsupported-on-backend", "error", str(e),
                             f"pass {what}")])
@@ -442,14 +493,26 @@ def _import_trainer(args: argparse.Namespace) -> int:
     def where(key: str) -> tuple[int | None, int | None]:
         return doc.locate(tuple(key.split(".")), key=True) if key.split(".")[0] in doc.data else (None, None)
 
+    # Each reason says what became of the key when it is more than "not imported" (a truthy
+    # "false" is imported as on): the hint never contradicts it.
     _report([Diagnostic(args.file, *where(key), "ignored-key", "warning", f"`{key}`: {why}",
-                        "not imported")
+                        "" if "imported" in why or "not used" in why else "not imported")
              for key, why in imported.ignored]
             + [Diagnostic(args.file, None, None, "dropped-by-backend", "warning", f"`{key}`: {why}",
                           f"imported: the policy keeps what {trainer} would lose")
-               for key, why in imported.dropped])
+               for key, why in imported.dropped]
+            + ([_placeholder_diagnostic(args.file, what, hf)] if imported.placeholder else []))
     _out(imported.yaml, args.output)
     return 0
+
+
+def _placeholder_diagnostic(name: str, what: str, hf: bool) -> Diagnostic:
+    from actcfg.translators.ds_config import placeholder_finding
+
+    f = placeholder_finding(f"the {what}", (), "to keep transformers' own checkpointing "
+                            "(`mode: external`)" if hf else "if the model calls "
+                            "deepspeed.checkpointing.checkpoint itself")
+    return Diagnostic(name, None, None, f.code, f.severity, f.message, f.hint)
 
 
 def _add_import(sub: Any) -> None:
@@ -464,15 +527,18 @@ def _add_import(sub: Any) -> None:
                    default=Backend.DEEPSPEED.value, help="what FILE holds (default: deepspeed)")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--modules", nargs="+", metavar="NAME",
-                       help="class names (or patterns) of the modules to checkpoint: the "
-                            "ds_config cannot say which they are")
+                       help="class names (or patterns) of the modules to checkpoint, which no "
+                            "ds_config or trainer keyword can say (without it or --external, the "
+                            "policy holds CHANGE_ME, which validate refuses)")
     which.add_argument("--external", action="store_true",
-                       help="the model calls deepspeed.checkpointing.checkpoint itself "
-                            "(Megatron, gpt-neox): write `checkpoint: {mode: external}`")
+                       help="the model checkpoints itself: it calls deepspeed.checkpointing."
+                            "checkpoint (Megatron, gpt-neox), or with --backend hf transformers "
+                            "keeps its own checkpointing; write `checkpoint: {mode: external}`")
     p.add_argument("--num-checkpoints", type=int, metavar="N",
                    help="checkpointed calls per step, as the program passes num_checkpoints to "
                         "configure() itself (Megatron: its --num-layers); needed for contiguous "
-                        "buffers with --external when the file has no number_checkpoints")
+                        "buffers with --external when the file has no number_checkpoints "
+                        "(deepspeed and lightning)")
     p.add_argument("-o", "--output", metavar="OUT",
                    help="write here instead of stdout (never over the input)")
     p.set_defaults(run=_import)
@@ -531,6 +597,14 @@ def _verify(args: argparse.Namespace) -> int:
             return 1
 
 
+def _require_torch(command: str) -> None:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise ActcfgError(f"{command} needs torch, which is not installed: "
+                          f"{install_command('torch')}") from None
+
+
 def _verify_here(args: argparse.Namespace, write: bool = True) -> int:
     # Imported here, not above: verify measures with torch, and validate must never load it.
     from actcfg.verification import DEFAULT_MODEL, load_factory, require_cuda, verify
@@ -545,6 +619,7 @@ def _verify_here(args: argparse.Namespace, write: bool = True) -> int:
         return _refuse_verify(args, 2, f"--steps must be at least 1, got {args.steps}")
     backend = Backend.parse(args.backend) if args.backend else policy.backend
     try:  # what would stop the run is found before the GPU work, and is a usage error
+        _require_torch("actcfg verify")  # before the model: the default probe model needs it too
         factory = load_factory(args.model or DEFAULT_MODEL)
         require_cuda()
         if args.plot:
@@ -605,8 +680,8 @@ def _process_group(backend: Backend) -> Iterator[Any]:
             with contextlib.redirect_stdout(sys.stderr):
                 import deepspeed
         except ImportError:
-            raise _Usage("this policy's backend is deepspeed: "
-                         "pip install actcfg[deepspeed]") from None
+            raise _Usage("this policy's backend is deepspeed, and DeepSpeed is not installed: "
+                         f"{install_command('deepspeed')}") from None
     import torch
 
     before: dict[str, str | None] = {}
@@ -727,7 +802,7 @@ def _plan_here(args: argparse.Namespace, write: bool = True) -> int:
         try:
             import torch
         except ImportError:
-            raise ActcfgError("actcfg plan needs torch: pip install actcfg[torch]") from None
+            raise ActcfgError(f"actcfg plan needs torch, which is not installed: {install_command('torch')}") from None
         if not torch.cuda.is_available():
             raise ActcfgError("actcfg plan profiles a training step on the GPU and needs a CUDA "
                               "GPU, but torch.cuda.is_available() is False here: run it on a GPU "
@@ -870,15 +945,72 @@ COMMANDS: dict[str, Callable[[Any], None]] = {
 """Each subcommand's parser builder; a builder sets `run` (args -> exit code) as default."""
 
 
+EPILOGS: dict[str, str] = {
+    "actcfg": """examples:
+  actcfg validate configs/*.yaml
+  actcfg translate configs/deepspeed-cpu-checkpointing.yaml --backend deepspeed
+  actcfg import ds_config.json --modules Block -o policy.yaml
+  actcfg verify configs/seed-linear-offload.yaml --plot memory.png      (GPU)
+
+exit codes: 0 success; 1 invalid input, or a check that failed; 2 usage error or unreadable
+file. `actcfg COMMAND --help` gives each command's.""",
+    "validate": """examples:
+  actcfg validate configs/*.yaml
+  actcfg validate --backend deepspeed --strict policy.yaml
+  actcfg validate --at training.memory train.yaml --format json
+
+exit codes: 0 every file valid; 1 any error (or any warning with --strict); 2 usage error or
+unreadable file.""",
+    "schema": """examples:
+  actcfg schema -o actcfg.schema.json
+
+exit codes: 0; 2 when OUT cannot be written.""",
+    "translate": """examples:
+  actcfg translate configs/deepspeed-cpu-checkpointing.yaml --backend deepspeed
+  actcfg translate configs/torch-selective.yaml --backend torch
+  actcfg translate policy.yaml --merge ds_config.json -o ds_config.merged.json
+  actcfg translate policy.yaml --merge ds_config.json --replace -o ds_config.merged.json
+
+exit codes: 0 translated; 1 invalid policy, a field the backend cannot express, or a
+ds_config section that disagrees (without --replace); 2 usage error or unreadable file.""",
+    "import": """examples:
+  actcfg import ds_config.json --modules Block -o policy.yaml
+  actcfg import neox.yml --external
+  actcfg import training_args.json --backend hf --modules LlamaDecoderLayer
+  actcfg import strategy.yaml --backend lightning --modules Block
+
+exit codes: 0 imported (warnings say what the file does not do as written); 1 the file cannot
+become a policy; 2 usage error or unreadable file.""",
+    "verify": """examples (on a CUDA GPU):
+  actcfg verify configs/seed-linear-offload.yaml --plot memory.png
+  actcfg verify configs/torch-checkpoint-offload.yaml --model actcfg.probes:blocks --format json
+  torchrun --nproc-per-node 2 -m actcfg verify configs/deepspeed-partition-model-parallel.yaml --model actcfg.probes:blocks
+
+exit codes: 0 every promise held; 1 invalid policy, or a promise that did not hold; 2 usage
+error (no torch, no CUDA GPU, a --model that cannot be loaded) or unreadable file.""",
+    "plan": """examples (on a CUDA GPU):
+  actcfg plan configs/torch-memory-budget.yaml --model actcfg.probes:blocks -o plan.yaml
+  actcfg plan configs/torch-memory-budget.yaml --model actcfg.probes:blocks --budget 4GiB --format json
+
+exit codes: 0 the measured peak is within the budget; 1 above it, no plan fits, or an invalid
+policy; 2 usage error (no torch, no CUDA GPU) or unreadable file.""",
+}
+"""`--help`'s examples and exit codes: the program's, then each command's."""
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="actcfg",
         description="Declarative, checked activation-memory policies for PyTorch training.",
+        epilog=EPILOGS["actcfg"], formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"actcfg {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in COMMANDS.values():
         add(sub)
+    for name, command in sub.choices.items():
+        command.epilog = EPILOGS[name]
+        command.formatter_class = argparse.RawDescriptionHelpFormatter
     return parser
 
 

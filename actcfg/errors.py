@@ -57,3 +57,10 @@ class PlanError(PolicyApplyError):
     def __init__(self, message: str, smallest_peak: int | None = None) -> None:
         super().__init__(message)
         self.smallest_peak = smallest_peak
+
+
+def install_command(extra: str) -> str:
+    """How to install one of actcfg's extras, for the messages that need one. actcfg installs
+    from its checkout (no package index has it), where installing `actcfg[extra]` by name finds
+    nothing."""
+    return f"python -m pip install -e '.[{extra}]' in the actcfg checkout"

@@ -17,15 +17,24 @@ files per second in-process.
    `DeepSpeedActivationCheckpointingConfig(param_dict)` (median of --runs), and the ratio.
 4. Files per second: `check_file` in-process on --files generated policies.
 
-Medians of cold runs still move by 10-20% with the machine's load, which is printed.
+Medians of cold runs still move by 10-20% with the machine's load, which is printed; so the
+target is a ratio of two medians taken in the same rounds, which the load moves alike: the
+cold validate over the dependency floor (line 1's third figure). It is given for wall time
+and for CPU time (user + system of the child, which other processes on a loaded machine
+disturb less), as installed (bytecode cached, as pip leaves an installed package) and, where
+PYTHONDONTWRITEBYTECODE is set, with actcfg compiled from source on every run.
 
-Targets (issue 2): under 150 ms cold for one file; at least 10x faster than DeepSpeed.
+Targets: validate cold <= 1.3x the floor, as installed (issue 19; 2.4-2.5x measured there with
+actcfg compiled on every run against imports alone); at least 10x faster than DeepSpeed
+(issue 2). The 150 ms of issue 2 is not reachable through Pydantic (the floor alone is about
+140 ms on the CI machine) and is printed for the record.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -59,6 +68,10 @@ class Model(BaseModel):
 Model.model_validate(yaml.safe_load("every: 2"))
 """
 
+# The bare import floor: the two packages imported, no model built (what issue 19's 2.4x was
+# measured against, with actcfg compiled from source).
+IMPORTS = "import yaml\nfrom pydantic import BaseModel"
+
 # Each phase of a cold `actcfg validate`, timed in one fresh interpreter; prints name=ms pairs.
 PHASES = """
 import contextlib, io, sys, time
@@ -71,33 +84,45 @@ mark("import pydantic (BaseModel)")
 import yaml
 mark("import yaml")
 import actcfg.policy.schema
-mark("actcfg.policy.schema (models built)")
+mark("actcfg.policy.schema (models defined)")
 from actcfg.cli import main
 mark("rest of actcfg.cli")
 with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
     main(["validate", {config!r}])
-mark("validate (parse, check, report)")
+mark("validate (validator built, parse, check, report)")
 print(";".join(f"{{b[0]}}={{(b[1] - a[1]) * 1000:.2f}}" for a, b in zip(marks, marks[1:])))
 """
 
 
-def _run(argv: list[str], env: dict[str, str] | None = None) -> float:
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _run(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
+    """Wall seconds and CPU seconds (user + system) of one fresh process."""
+    cpu_before = _children_cpu()
     started = time.perf_counter()
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=env)
     elapsed = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} failed ({proc.returncode}):\n{proc.stderr}")
-    return elapsed
+    return elapsed, _children_cpu() - cpu_before
 
 
-def _cold(variants: dict[str, tuple[list[str], dict[str, str] | None]], runs: int) -> dict[str, float]:
-    """Median seconds of each command over `runs` rounds; a round runs every variant once, so
-    the machine's load drifts over all of them alike."""
-    times: dict[str, list[float]] = {name: [] for name in variants}
+def _cold(variants: dict[str, tuple[list[str], dict[str, str] | None]],
+          runs: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Median wall and CPU seconds of each command over `runs` rounds; a round runs every
+    variant once, so the machine's load drifts over all of them alike."""
+    wall: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(runs):
         for name, (argv, env) in variants.items():
-            times[name].append(_run(argv, env))
-    return {name: statistics.median(values) for name, values in times.items()}
+            w, c = _run(argv, env)
+            wall[name].append(w)
+            cpu[name].append(c)
+    return ({name: statistics.median(v) for name, v in wall.items()},
+            {name: statistics.median(v) for name, v in cpu.items()})
 
 
 def _phases(runs: int) -> dict[str, float]:
@@ -144,6 +169,7 @@ def main() -> None:
         "ours": (validate, None),
         "bare": ([python, "-c", "pass"], None),
         "floor": ([python, "-c", FLOOR], None),
+        "imports": ([python, "-c", IMPORTS], None),
     }
     with tempfile.TemporaryDirectory() as prefix:
         if sys.flags.dont_write_bytecode:
@@ -157,7 +183,7 @@ def main() -> None:
             print(f"DeepSpeed config path: not measured ({str(e).splitlines()[0]})")
         for argv, env in variants.values():  # warm the file cache, write the bytecode cache
             _run(argv, env)
-        median = _cold(variants, args.runs)
+        median, cpu = _cold(variants, args.runs)
     ours, theirs = median["ours"], median.get("deepspeed")
     print(f"actcfg validate, cold:        {ours * 1000:7.1f} ms  (median of {args.runs}; "
           f"bare interpreter {median['bare'] * 1000:.1f} ms)")
@@ -166,6 +192,17 @@ def main() -> None:
     if "cached" in median:
         print(f"  with bytecode cached:       {median['cached'] * 1000:7.1f} ms  (as installed; "
               "PYTHONDONTWRITEBYTECODE is set here, so the line above compiles actcfg each run)")
+    installed = "cached" if "cached" in median else "ours"
+    ratios = {"wall": median[installed] / median["floor"], "cpu": cpu[installed] / cpu["floor"]}
+    print(f"ratio to the floor, as installed: {ratios['wall']:.2f}x wall, {ratios['cpu']:.2f}x CPU "
+          f"(CPU {cpu[installed] * 1000:.1f} ms against {cpu['floor'] * 1000:.1f} ms; target <= 1.3x)")
+    if installed == "cached":
+        print(f"  compiled from source each run: {median['ours'] / median['floor']:.2f}x wall, "
+              f"{cpu['ours'] / cpu['floor']:.2f}x CPU")
+    print(f"  against the bare imports ({median['imports'] * 1000:.1f} ms, CPU {cpu['imports'] * 1000:.1f} ms; "
+          f"no model built): {median[installed] / median['imports']:.2f}x wall, "
+          f"{cpu[installed] / cpu['imports']:.2f}x CPU as installed"
+          + (f", {cpu['ours'] / cpu['imports']:.2f}x CPU compiled from source" if installed == "cached" else ""))
     phases = _phases(args.runs)
     for name, ms in phases.items():
         print(f"  {name + ':':34s} {ms:6.1f} ms")
@@ -186,7 +223,9 @@ def main() -> None:
     print(f"in-process: {args.files / elapsed:,.0f} files/s ({args.files} files in {elapsed:.2f} s, "
           f"{invalid} invalid)")
     cached = median.get("cached")
-    print(f"targets: cold < 150 ms: {'met' if ours < 0.150 else 'MISSED'}"
+    print(f"targets: <= 1.3x the floor as installed: {'met' if ratios['wall'] <= 1.3 else 'MISSED'} "
+          f"(wall), {'met' if ratios['cpu'] <= 1.3 else 'MISSED'} (CPU); "
+          f"cold < 150 ms: {'met' if ours < 0.150 else 'MISSED'}"
           + (f" (bytecode cached: {'met' if cached < 0.150 else 'MISSED'})" if cached else "")
           + f"; >= 10x DeepSpeed: {'met' if theirs and theirs / ours >= 10 else 'MISSED'}")
 

@@ -5,7 +5,9 @@ Shared by tests/test_multirank.py (two gloo ranks on the CPU) and tests/test_dis
 NCCL ranks, one GPU each). A worker is a module-level function `worker(rank, out_dir, *args)`;
 it calls `init_group` first. When a rank raises, its traceback fails the test and the other
 ranks are terminated; when the ranks outlive `timeout`, all are terminated and the test fails
-(a rank that died inside a collective would otherwise leave the others waiting).
+(a rank that died inside a collective would otherwise leave the others waiting). Both limits,
+the ranks' and the collectives', are stretched by ACTCFG_TEST_TIMEOUT_SCALE (tests/_timeouts.py):
+a fixed 120 s errored 8 times on a loaded 2-core CI machine.
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+try:
+    from tests._timeouts import scaled
+except ImportError:  # tests/ on sys.path instead of the repository root
+    from _timeouts import scaled
 
 WORLD = 2
 _ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -43,10 +50,13 @@ def gloo_or_skip() -> None:
 
 
 def run_ranks(worker: Callable[..., None], out_dir: Path, *args: Any, world: int = WORLD,
-              timeout: float = 120.0) -> list[dict[str, Any]]:
+              timeout: float = 600.0) -> list[dict[str, Any]]:
     """Run `worker(rank, str(out_dir), port, *args)` on `world` ranks; return what each rank
-    wrote with `write_result`, in rank order."""
+    wrote with `write_result`, in rank order. `timeout` is stretched by
+    ACTCFG_TEST_TIMEOUT_SCALE."""
     import torch.multiprocessing as mp
+
+    timeout = scaled(timeout)
 
     port = free_port()
     context = mp.start_processes(worker, args=(str(out_dir), port, *args), nprocs=world,
@@ -66,7 +76,7 @@ def run_ranks(worker: Callable[..., None], out_dir: Path, *args: Any, world: int
 def init_group(rank: int, port: int, backend: str = "gloo", world: int = WORLD,
                deepspeed: bool = False) -> None:
     """Start this rank's torch.distributed group (and DeepSpeed's view of it), the environment
-    set as torchrun sets it; collectives give up after a minute instead of hanging."""
+    set as torchrun sets it; collectives give up after five minutes (scaled) instead of hanging."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -75,7 +85,7 @@ def init_group(rank: int, port: int, backend: str = "gloo", world: int = WORLD,
         import torch
 
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=scaled(300)))
     if deepspeed:
         import deepspeed as ds
 

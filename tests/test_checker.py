@@ -109,7 +109,8 @@ def test_backend_flag_adds_that_backends_rules():
         ("needs-checkpointing", 8, 20),  # cpu_checkpointing with mode none
         ("torch-only", 9, 13),  # pin_budget
     ]
-    assert diagnostics[0].message.endswith("(from --backend): it would do nothing")
+    assert diagnostics[0].message.endswith("(deepspeed backend, from --backend), but checkpoint.mode is "
+                                           "none: it would do nothing")
 
 
 def test_warnings_come_from_check_rules():

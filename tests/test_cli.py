@@ -14,6 +14,7 @@ import pytest
 import actcfg.cli
 from actcfg.policy.checker import check_file
 from actcfg.policy.schema import policy_json_schema
+from _timeouts import scaled
 from conftest import CONFIGS, DATA, ROOT
 
 DS_CPU = ROOT / "configs" / "deepspeed-cpu-checkpointing.yaml"
@@ -189,14 +190,15 @@ def test_translate_merge_refuses_every_conflict_with_its_line(run_cli, tmp_path)
     assert result.err.splitlines() == [
         f'{ds}:3:5: error ds-config-conflict: `cpu_checkpointing`: the ds_config has "true", the '
         'policy gives true; "true" is not a JSON boolean, DeepSpeed tests it for truth and runs it '
-        "ON (write true in the ds_config, or remove `cpu_checkpointing` there)",
+        "ON (write true in the ds_config, or remove `cpu_checkpointing` there; or pass --replace to "
+        "take the policy's section)",
         f"{ds}:4:5: error ds-config-conflict: DeepSpeed reads only its six keys and ignores "
         "`checkpoint_in_cpu` (the configure() keyword argument name); the key is "
-        "`cpu_checkpointing` (remove it from the ds_config)",
+        "`cpu_checkpointing` (remove it from the ds_config; or pass --replace to take the policy's section)",
         f"{ds}:5:5: error ds-config-conflict: `profile`: the ds_config has 1, the policy gives "
         "false; 1 is not a JSON boolean, DeepSpeed tests it for truth and runs it ON (write false "
         "in the ds_config, or remove `profile` there, or set `profile: true` in the policy to keep "
-        "what DeepSpeed ran)",
+        "what DeepSpeed ran; or pass --replace to take the policy's section)",
     ]
     assert ds.read_bytes() == before
 
@@ -560,7 +562,7 @@ def test_plan_needs_a_model(run_cli):
 def _python(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items() if k != "GITHUB_ACTIONS"} | env
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT,
-                          env=environ, timeout=60)
+                          env=environ, timeout=scaled(60))
 
 
 def test_python_m_actcfg_validate():
@@ -597,7 +599,7 @@ def test_a_full_disk_on_stdout_or_stderr_exits_2_without_a_traceback(argv, strea
     environ = {k: v for k, v in os.environ.items() if k != "GITHUB_ACTIONS"}
     with open("/dev/full", "w") as full:
         proc = subprocess.run([sys.executable, "-m", "actcfg", *argv], cwd=ROOT, env=environ,
-                              text=True, timeout=60, stdin=subprocess.DEVNULL,
+                              text=True, timeout=scaled(60), stdin=subprocess.DEVNULL,
                               stdout=full if stream == "stdout" else subprocess.PIPE,
                               stderr=full if stream == "stderr" else subprocess.PIPE)
     assert proc.returncode == 2
@@ -669,36 +671,43 @@ def test_pre_commit_hooks_run_validate(run_cli):
     assert run_cli(*hooks["actcfg-validate"]["entry"].split()[1:], *CONFIGS).code == 0
 
 
-def _docs_pre_commit_configs() -> list[dict]:
-    import yaml
-
+def _docs_pre_commit_block() -> str:
+    """docs/keys.md's `.pre-commit-config.yaml`, the one yaml block of its pre-commit section."""
     text = (ROOT / "docs" / "keys.md").read_text()
     section = text[text.index("## pre-commit"):]
     section = section[:section.index("\n## ", 1)]
-    return [yaml.safe_load(block) for block in re.findall(r"```yaml\n(.*?)```", section, re.S)]
+    (block,) = re.findall(r"```yaml\n(.*?)```", section, re.S)
+    return block
 
 
-def test_the_documented_rev_is_the_version_tag():
-    from actcfg._version import __version__
+def test_the_documented_hook_is_repo_local_and_runs_what_the_shipped_hook_runs():
+    """No release is tagged: the documented form works from a checkout today, with the shipped
+    hook's entry and files (issue 19: the old block named an unreleased tag and a placeholder)."""
+    import yaml
 
-    remote, path, local = _docs_pre_commit_configs()
-    assert [r["rev"] for c in (remote, path) for r in c["repos"]] == [f"v{__version__}"] * 2
-    assert [h["id"] for c in (remote, path) for r in c["repos"] for h in r["hooks"]] == [
-        "actcfg-validate", "actcfg-validate-system"]
-    assert local["repos"][0]["repo"] == "local"
+    config = yaml.safe_load(_docs_pre_commit_block())
+    (repo,) = config["repos"]
+    (hook,) = repo["hooks"]
+    shipped = {h["id"]: h for h in yaml.safe_load((ROOT / ".pre-commit-hooks.yaml").read_text())}
+    assert repo["repo"] == "local" and "rev" not in repo
+    assert (hook["id"], hook["language"]) == ("actcfg-validate", "system")
+    assert {k: hook[k] for k in ("entry", "types", "files")} == {
+        k: shipped["actcfg-validate-system"][k] for k in ("entry", "types", "files")}
 
 
 def _git(cwd, *args: str) -> None:
     subprocess.run(["git", "-c", "user.name=actcfg-test", "-c", "user.email=test@actcfg.invalid",
                     "-c", "commit.gpgsign=false", *args], cwd=cwd, check=True, capture_output=True,
-                   timeout=60)
+                   timeout=scaled(60))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["tag", "local"])
 def test_pre_commit_installs_the_hook_and_refuses_a_bad_policy(tmp_path, how):
-    """Installs the documented hook into a throwaway repository and commits a good, then a bad
-    policy. No network: the hook repository is a local clone tagged with the version (a real
-    tag), or `repo: local`; both run the actcfg of this checkout."""
+    """Installs the hook into a throwaway repository and commits a good, then a bad policy. No
+    network: docs/keys.md's block exactly as written (`repo: local`), or the shipped
+    .pre-commit-hooks.yaml from a local clone tagged with the version (the form a release will
+    use); both run the actcfg of this checkout."""
     import shutil
 
     import yaml
@@ -707,7 +716,6 @@ def test_pre_commit_installs_the_hook_and_refuses_a_bad_policy(tmp_path, how):
 
     if shutil.which("pre-commit") is None or shutil.which("git") is None:
         pytest.skip("needs pre-commit and git")
-    remote, path_config, local = _docs_pre_commit_configs()
     bin_dir = tmp_path / "bin"  # `actcfg` on PATH = this checkout, run by this interpreter
     bin_dir.mkdir()
     shim = bin_dir / "actcfg"
@@ -721,27 +729,27 @@ def test_pre_commit_installs_the_hook_and_refuses_a_bad_policy(tmp_path, how):
         _git(hooks_repo, "add", ".")
         _git(hooks_repo, "commit", "-qm", "hooks")
         _git(hooks_repo, "tag", f"v{__version__}")
-        config = path_config
-        config["repos"][0]["repo"] = str(hooks_repo)
+        config = yaml.safe_dump({"repos": [{"repo": str(hooks_repo), "rev": f"v{__version__}",
+                                            "hooks": [{"id": "actcfg-validate-system"}]}]})
     else:
-        config = local
+        config = _docs_pre_commit_block()  # exactly as written
     project = tmp_path / "project"
     (project / "configs").mkdir(parents=True)
-    (project / ".pre-commit-config.yaml").write_text(yaml.safe_dump(config))
+    (project / ".pre-commit-config.yaml").write_text(config)
     _git(project, "init", "-q")
     environ = {k: v for k, v in os.environ.items() if k != "GITHUB_ACTIONS"} | {
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
         "PRE_COMMIT_HOME": str(tmp_path / "pre-commit-home"), "GIT_CONFIG_NOSYSTEM": "1"}
     installed = subprocess.run(["pre-commit", "install"], cwd=project, env=environ,
-                               capture_output=True, text=True, timeout=120)
+                               capture_output=True, text=True, timeout=scaled(120))
     assert installed.returncode == 0, installed.stdout + installed.stderr
 
     def commit(name: str, source: Path) -> subprocess.CompletedProcess[str]:
         (project / "configs" / name).write_text(source.read_text())
-        subprocess.run(["git", "add", "-A"], cwd=project, check=True, env=environ, timeout=60)
+        subprocess.run(["git", "add", "-A"], cwd=project, check=True, env=environ, timeout=scaled(60))
         return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@actcfg.invalid",
                                "-c", "commit.gpgsign=false", "commit", "-qm", name],
-                              cwd=project, env=environ, capture_output=True, text=True, timeout=120)
+                              cwd=project, env=environ, capture_output=True, text=True, timeout=scaled(120))
 
     good = commit("good.yaml", DS_CPU)
     assert good.returncode == 0, good.stdout + good.stderr

@@ -94,6 +94,7 @@ def shard(model: nn.Module, mesh) -> None:
     fully_shard(model, mesh=mesh)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["apply-then-shard", "shard-then-apply"])
 @pytest.mark.parametrize("name", ["full", "reentrant", "full+offload", "offload"])
 def test_fsdp2_in_either_order_gives_fsdp2s_gradients_and_the_policy_acts(mesh, loopback, order, name):
@@ -124,6 +125,7 @@ def test_fsdp2_in_either_order_gives_fsdp2s_gradients_and_the_policy_acts(mesh, 
     handle.remove()
 
 
+@pytest.mark.slow
 def test_fsdp2_errors_name_the_class_the_user_wrote(mesh):
     model, _ = make(2)
     shard(model, mesh)
@@ -155,6 +157,7 @@ def compiled_run(order: str, cfg: dict) -> tuple[actcfg.AppliedPolicy, nn.Module
 ORDERS = ["apply-then-compile-model", "apply-then-compile-blocks", "compile-blocks-then-apply"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("name", ["full", "selective", "full+offload", "offload"])
 def test_compile_in_every_order_gives_eager_gradients_and_really_offloads(loopback, order, name):
@@ -187,6 +190,7 @@ def test_compile_in_every_order_gives_eager_gradients_and_really_offloads(loopba
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_compile_of_a_reentrant_policy_runs_eager_checkpoint_with_eager_gradients():
     """torch traces only the non-reentrant checkpoint: a reentrant one breaks the graph and runs
     eagerly (documented in the README), with the same gradients."""
@@ -363,6 +367,7 @@ def _engine_losses(ds_env, stage: int, cfg: dict | None, backend: str | None) ->
     return losses, recomputes
 
 
+@pytest.mark.slow
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("stage", [0, 2, 3])
 @pytest.mark.parametrize("backend", ["torch", "deepspeed"])

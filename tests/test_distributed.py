@@ -28,12 +28,15 @@ from torch import nn  # noqa: E402
 
 try:
     from tests._multirank import WORLD, finish, init_group, run_ranks, write_result
+    from tests._timeouts import scaled
 except ImportError:  # tests/ is not a package: pytest puts tests/ itself on sys.path
     from _multirank import WORLD, finish, init_group, run_ranks, write_result
+    from _timeouts import scaled
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.distributed,
+    pytest.mark.slow,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
 ]
 
@@ -289,7 +292,7 @@ def torchrun_verify(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
          "-m", "actcfg", "verify", *argv],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=TIMEOUT)
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=scaled(TIMEOUT))
 
 
 @pytest.mark.deepspeed

@@ -82,8 +82,10 @@ def _codes(body: dict) -> list[str]:
 
 # --- property tests ------------------------------------------------------------------------
 
+# No deadline: a loaded 2-core CI machine ran single examples past 2 s, which failed the run
+# though nothing was wrong (speed lives in benchmarks/, never in a test's verdict).
 _SETTINGS = settings(
-    max_examples=400, deadline=2000, suppress_health_check=[HealthCheck.too_slow], database=None,
+    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None,
 )
 _KEYS = st.sampled_from([*keys_at(()), *keys_at(("checkpoint",)), *FOREIGN_NAMES, "mode", "x"])
 _SCALARS = (
@@ -368,7 +370,7 @@ def _run(*argv: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-@settings(max_examples=200, deadline=2000, suppress_health_check=[HealthCheck.too_slow], database=None)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
 @given(data=st.dictionaries(_DS_KEYS, _DS_DATA, max_size=6), indent=st.sampled_from([None, 2, 4]),
        comment=st.booleans())
 def test_random_ds_configs_through_import_and_merge(data, indent, comment):

@@ -389,6 +389,7 @@ class DeepSpeedSpy(TrainerCallback):
         self.seen.append({**ds_globals(self.ckpt), "is_configured": self.ckpt.is_configured()})
 
 
+@pytest.mark.slow
 @pytest.mark.deepspeed
 def test_deepspeed_globals_equal_the_policy_during_training(tmp_path, hf_deepspeed):
     plain, model = tiny_llama(), tiny_llama()
@@ -407,6 +408,7 @@ def test_deepspeed_globals_equal_the_policy_during_training(tmp_path, hf_deepspe
     assert ds_globals(hf_deepspeed) == DS_DEFAULTS  # removed at train end
 
 
+@pytest.mark.slow
 @pytest.mark.deepspeed
 def test_a_configure_call_after_actcfgs_is_caught_after_the_first_step(tmp_path, hf_deepspeed):
     class Reconfigure(TrainerCallback):
@@ -426,6 +428,7 @@ def test_a_configure_call_after_actcfgs_is_caught_after_the_first_step(tmp_path,
     assert callback.applied is None
 
 
+@pytest.mark.slow
 @pytest.mark.deepspeed
 def test_a_ds_config_section_that_agrees_is_accepted(tmp_path, hf_deepspeed):
     spy = DeepSpeedSpy(hf_deepspeed)
@@ -434,6 +437,7 @@ def test_a_ds_config_section_that_agrees_is_accepted(tmp_path, hf_deepspeed):
     assert [s["synchronize"] for s in spy.seen] == [True] * STEPS
 
 
+@pytest.mark.slow
 @pytest.mark.deepspeed
 def test_a_ds_config_section_that_disagrees_is_refused_naming_both(tmp_path, hf_deepspeed):
     model = tiny_llama()
@@ -455,6 +459,7 @@ def test_a_ds_config_section_that_disagrees_is_refused_naming_both(tmp_path, hf_
     assert ds_globals(hf_deepspeed) == DS_DEFAULTS
 
 
+@pytest.mark.slow
 @pytest.mark.deepspeed
 def test_a_torch_policy_under_deepspeed_refuses_a_section_nobody_would_read(tmp_path, hf_deepspeed):
     policy = "version: 1\nbackend: torch\ncheckpoint: {mode: full, modules: [LlamaDecoderLayer]}\n"

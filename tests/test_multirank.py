@@ -33,6 +33,10 @@ except ImportError:  # tests/ is not a package: pytest puts tests/ itself on sys
     from _multirank import (WORLD, finish, free_port, gloo_or_skip, init_group, run_ranks,
                             write_result)
 
+# Spawned ranks start a fresh interpreter each (torch, and DeepSpeed for some): the quick inner
+# loop (`pytest -m "not slow"`) leaves them to CI.
+pytestmark = pytest.mark.slow
+
 FULL = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]}}
 FULL_OFFLOAD = {**FULL, "cpu_checkpointing": True}
 SMALL = 1 << 14  # min_offload_bytes for these small models: a block input is 32 KiB per rank

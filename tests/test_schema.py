@@ -194,7 +194,8 @@ def test_cpu_checkpointing_without_checkpointing_is_torch_only():
 
 def test_backend_from_context_is_checked_too():
     [f] = _rule_error({"version": 1, "cpu_checkpointing": True}, backends=(Backend.DEEPSPEED,))
-    assert f.message.endswith("checkpoint.mode is none (from --backend): it would do nothing")
+    assert f.message == ("`cpu_checkpointing` acts only inside deepspeed.checkpointing.checkpoint "
+                         "(deepspeed backend, from --backend), but checkpoint.mode is none: it would do nothing")
 
 
 def test_warnings_do_not_fail_validation():

@@ -160,7 +160,11 @@ def test_import_cli_reports_what_transformers_would_ignore_with_lines(run_cli, t
         "swallows it: it did nothing; did you mean `offload`? (not imported)",
         f"{path}:3:62: warning ignored-key: `gradient_checkpointing_kwargs.every_n_layers`: transformers "
         "checkpoints layers 0, 2, 4, ... (every_n_layers: 2), actcfg's `every: 2` layers 1, 3, ...: not "
-        "imported; set `checkpoint.every: 2` if that shift is what you want (not imported)",
+        "imported; set `checkpoint.every: 2` if that shift is what you want",
+        f"{path}: warning placeholder: the TrainingArguments keywords cannot say which modules the model "
+        "checkpoints: the policy holds `modules: [CHANGE_ME]`, which validate refuses until it is replaced "
+        "(run import with --modules CLASSNAME... (the checkpointed modules' class names), or --external "
+        "to keep transformers' own checkpointing (`mode: external`))",
     ]
     policy = actcfg.load(run.out.replace("CHANGE_ME", "LlamaDecoderLayer"))
     assert policy.cpu_checkpointing is True and policy.checkpoint.every == 1

@@ -149,6 +149,10 @@ def test_import_cli_reports_ignored_and_dropped_keywords(run_cli, tmp_path):
         "synchronize_checkpoint_boundary to configure(); run the policy with "
         "actcfg.integrations.lightning.ActivationPolicy, which passes it on (imported: the policy "
         "keeps what Lightning would lose)",
+        f"{path}: warning placeholder: the DeepSpeedStrategy keywords cannot say which modules the model "
+        "checkpoints: the policy holds `modules: [CHANGE_ME]`, which validate refuses until it is replaced "
+        "(run import with --modules CLASSNAME... (the checkpointed modules' class names), or --external "
+        "if the model calls deepspeed.checkpointing.checkpoint itself)",
     ]
     policy = actcfg.load(run.out.replace("CHANGE_ME", "Block"))
     assert (policy.backend, policy.cpu_checkpointing, policy.synchronize) == ("deepspeed", True, True)

@@ -456,7 +456,8 @@ def test_plot_replaces_an_earlier_png_whole_and_leaves_no_temporary_file(tmp_pat
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    with pytest.raises(VerifyError, match=r"^--plot needs matplotlib: pip install actcfg\[plot\]$"):
+    with pytest.raises(VerifyError, match=r"^--plot needs matplotlib, which is not installed: "
+                                          r"python -m pip install -e '\.\[plot\]' in the actcfg checkout$"):
         plot_memory(report(), tmp_path / "memory.png")
 
 
@@ -807,8 +808,8 @@ def test_cli_plot_without_matplotlib_is_refused_before_measuring(run_cli, measur
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     done = run_cli("verify", SEED_CONFIG, "--plot", "memory.png")
-    assert (done.code, done.err) == (2, "actcfg: error: --plot needs matplotlib: pip install "
-                                        "actcfg[plot]\n")
+    assert (done.code, done.err) == (2, "actcfg: error: --plot needs matplotlib, which is not installed: "
+                                        "python -m pip install -e '.[plot]' in the actcfg checkout\n")
     assert calls == []
 
 

@@ -160,9 +160,12 @@ def findings(table: dict[str, Entry], policy: Any, name: str, checkpoint_functio
                 extra = f" ({entry.hint_without_checkpoint})" if entry.hint_without_checkpoint else ""
                 reason = (f"`{path}` acts only inside {checkpoint_function}, but checkpoint.mode "
                           "is none")
+                # The note belongs to the backend whose rule this is, not to checkpoint.mode.
+                note = f"`{path}` acts only inside {checkpoint_function}" + (
+                    f" ({name} backend, {origin.strip(' ()')})" if origin else "")
                 out.append(Finding(
                     "needs-checkpointing", "error", where,
-                    f"{reason}{origin}: it would do nothing",
+                    f"{note}, but checkpoint.mode is none: it would do nothing",
                     f"set `checkpoint: {{mode: full, modules: [...]}}`, or remove `{path}`{extra}",
                     f"{reason}: it would do nothing",
                 ))

@@ -159,10 +159,11 @@ def _from_error(error: Mapping[str, Any], data: Any, doc: Document | None, name:
             import difflib
 
             close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.6)
-            hint = f"choose one of {', '.join(choices)}" + (f"; did you mean `{close[0]}`?" if close else "")
+            # The message lists the choices already: the hint adds only what it does not say.
+            hint = f"did you mean `{close[0]}`?" if close else "write one of these values as shown"
             if path == ("backend",) and str(value) in {b.value for b in Backend}:
                 hint = (f"`{value}` is a translation target (`actcfg translate --backend {value}`); "
-                        f"a policy's backend is the one actcfg.apply runs: {hint}")
+                        f"a policy's backend is the one actcfg.apply runs: choose {expected}")
     elif code == "wrong-type":
         expected = _TYPE_WORDS.get(kind)
         message = (

@@ -196,7 +196,7 @@ class _Strict(BaseModel):
     it in sync): Pydantic would re-read this source on every import, ~9 ms of `actcfg validate`.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, defer_build=True)
 
 
 class NoCheckpoint(_Strict):

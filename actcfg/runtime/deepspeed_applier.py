@@ -26,8 +26,7 @@ from actcfg.runtime.wrap import (
     refuse_stacked_checkpointing,
     select_modules,
 )
-from actcfg.errors import PolicyApplyError, TranslationError
-from actcfg.runtime.handle import AppliedPolicy
+from actcfg.errors import PolicyApplyError, TranslationError, install_command
 from actcfg.runtime.reports import CheckpointCounters, CheckpointReport, DeepSpeedReport
 from actcfg.policy.schema import Policy
 
@@ -57,8 +56,8 @@ def _deepspeed() -> Any:
         from deepspeed.runtime.activation_checkpointing import checkpointing
     except ImportError as e:
         raise PolicyApplyError(
-            "the deepspeed backend needs DeepSpeed, which is not installed: run "
-            "`pip install actcfg[deepspeed]`, or set `backend: torch`"
+            "the deepspeed backend needs DeepSpeed, which is not installed: "
+            f"{install_command('deepspeed')}, or set `backend: torch`"
         ) from e
     return checkpointing
 

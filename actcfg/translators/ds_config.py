@@ -3,7 +3,8 @@
 DeepSpeed reads its `activation_checkpointing` section with `dict.get`: unknown keys are
 ignored and values are not type-checked, only tested for truth (`"false"` is a non-empty
 string, so ON). Import takes what DeepSpeed ran and says so wherever the file says something
-else; merge refuses to write over a value that disagrees with the policy. gpt-neox configs
+else; merge refuses to write over a value that disagrees with the policy unless asked to
+replace it (`translate --merge --replace`), and then names each value it replaced. gpt-neox configs
 (`checkpoint-activations`, `partition-activations`, ...) are imported from the flags gpt-neox
 passes to `deepspeed.checkpointing.configure`.
 
@@ -35,10 +36,13 @@ __all__ = [
     "ImportResult",
     "MODULES_PLACEHOLDER",
     "NEOX_FLAGS",
+    "deepspeed_keys",
     "import_ds_config",
     "merge_conflicts",
     "merge_ds_config",
+    "placeholder_finding",
     "splice_section",
+    "yaml_comment",
 ]
 
 BACKEND = Backend.DEEPSPEED.value
@@ -77,6 +81,14 @@ NEOX_FLAGS: dict[str, str] = {
 """gpt-neox flag (underscore spelling; gpt-neox also reads hyphens) -> actcfg field. gpt-neox
 passes each to deepspeed.checkpointing.configure (megatron/initialize.py), with
 num_checkpoints = ceil(num_layers / checkpoint_num_layers)."""
+
+# Top-level keys of a ds_config that no policy has: what tells a DeepSpeed config from a
+# policy given to the wrong command (DeepSpeed's runtime/config.py and constants.py).
+_DEEPSPEED_TOP_LEVEL = (SECTION, "train_batch_size", "train_micro_batch_size_per_gpu",
+                        "gradient_accumulation_steps", "zero_optimization", "optimizer",
+                        "scheduler", "fp16", "bf16", "amp", "gradient_clipping", "steps_per_print",
+                        "wall_clock_breakdown", "flops_profiler", "zero_allow_untested_optimizer",
+                        "tensorboard", "wandb", "comms_logger", "data_types")
 
 _NEOX_ONLY = ("checkpoint_activations", "checkpoint_num_layers", "synchronize_each_layer",
               "profile_backward", "contiguous_checkpointing", "checkpoint_in_cpu")
@@ -122,14 +134,47 @@ def _on(value: Any) -> str:
     return "ON" if value else "OFF"
 
 
+def deepspeed_keys(data: Any) -> list[str]:
+    """The top-level keys that make `data` a DeepSpeed (or gpt-neox) config rather than an
+    actcfg policy, in file order; empty when it is not one (a policy has `version`)."""
+    if not isinstance(data, dict) or set(data) & set(Policy.model_fields):
+        return []  # a policy, however broken
+    if _is_neox(data):
+        return [k for k in data if _neox_key(k) in (*NEOX_FLAGS, *_NEOX_ONLY)]
+    return [k for k in data if k in _DEEPSPEED_TOP_LEVEL]
+
+
+def yaml_comment(text: str) -> str:
+    """A YAML comment line holding `text` as written (quotes stay quotes). Line breaks (YAML
+    also breaks on U+0085, U+2028, U+2029) and other unprintable characters are escaped, so
+    text from the user's file cannot end the comment and inject YAML."""
+    return "# " + "".join(c if c.isprintable() else json.dumps(c)[1:-1] for c in text)
+
+
+def placeholder_finding(source: str, path: tuple[Any, ...], external: str) -> Finding:
+    """The warning for an imported policy holding `modules: [CHANGE_ME]`: `source` cannot say
+    which modules are checkpointed; `external` says when `--external` is the right answer."""
+    return Finding(
+        "placeholder", "warning", path,
+        f"{source} cannot say which modules the model checkpoints: the policy holds "
+        f"`modules: [{MODULES_PLACEHOLDER}]`, which validate refuses until it is replaced",
+        f"run import with --modules CLASSNAME... (the checkpointed modules' class names), or "
+        f"--external {external}")
+
+
 # --- merge -----------------------------------------------------------------------------------
 
 
-def merge_conflicts(ds_config: Mapping[str, Any], section: Mapping[str, Any]) -> list[Finding]:
+def merge_conflicts(ds_config: Mapping[str, Any], section: Mapping[str, Any], *,
+                    replace: bool = False) -> list[Finding]:
     """Why `ds_config` cannot take `section` as its `activation_checkpointing`: a
     `ds-config-conflict` error per existing key that disagrees or that DeepSpeed would ignore
     (and for a misspelt section name), and a warning when the merged section leaves
-    `number_checkpoints` to actcfg.apply."""
+    `number_checkpoints` to actcfg.apply. With `replace`, each key that disagrees or that
+    DeepSpeed would ignore is a `ds-config-replaced` warning naming the value it had."""
+    if replace:
+        return [_replaced(f, ds_config) if f.code == "ds-config-conflict" and f.path[:1] == (SECTION,)
+                else f for f in merge_conflicts(ds_config, section)]
     out: list[Finding] = []
     typo = _section_typo(ds_config)
     if typo is not None:
@@ -178,6 +223,16 @@ def merge_conflicts(ds_config: Mapping[str, Any], section: Mapping[str, Any]) ->
             "from this ds_config",
         ))
     return out
+
+
+def _replaced(conflict: Finding, ds_config: Mapping[str, Any]) -> Finding:
+    """A merge conflict as what `--replace` did about it, with the value the file had."""
+    key = conflict.path[1] if len(conflict.path) == 2 else None
+    old = ds_config[SECTION] if key is None else ds_config[SECTION][key]
+    what = conflict.message if key is not None and conflict.message.startswith(f"`{key}`: the ds_config has") \
+        else f"`{key or SECTION}` was {_js(old)}: {conflict.message}"
+    return Finding("ds-config-replaced", "warning", conflict.path,
+                   f"replaced by the policy's section: {what}", "")
 
 
 def merge_ds_config(ds_config: dict[str, Any], section: dict[str, Any]) -> dict[str, Any]:
@@ -259,10 +314,7 @@ class ImportResult:
         return self.yaml is not None
 
 
-def _comment(text: str) -> str:
-    # Text from the user's file: escape every line break (YAML also breaks on \x85, \u2028,
-    # \u2029) so that it cannot end the comment and inject YAML.
-    return "# " + json.dumps(text, ensure_ascii=True)[1:-1]
+_comment = yaml_comment
 
 
 def _neox_key(key: Any) -> str | None:
@@ -399,7 +451,8 @@ def _result(text: str, findings: list[Finding], source: str) -> ImportResult:
 
 
 def import_ds_config(ds_config: Any, *, modules: Sequence[str] | None = None,
-                     external: bool = False, num_checkpoints: int | None = None) -> ImportResult:
+                     external: bool = False, num_checkpoints: int | None = None,
+                     source: str = "the ds_config") -> ImportResult:
     """The actcfg policy for what DeepSpeed runs from `ds_config` (a parsed ds_config, or a
     gpt-neox config), as YAML, with every finding.
 
@@ -408,12 +461,20 @@ def import_ds_config(ds_config: Any, *, modules: Sequence[str] | None = None,
     model calls it itself (`mode: external`); with neither, the YAML holds the placeholder
     `CHANGE_ME`, which validation refuses until it is replaced. `num_checkpoints` is the count
     the program passes to configure() itself (Megatron: its layer count), which the file
-    cannot hold when it leaves number_checkpoints out.
+    cannot hold when it leaves number_checkpoints out. `source` names what was read, in the
+    placeholder's sentences (Lightning's import passes its keywords through here).
     """
     if not isinstance(ds_config, dict):
         return ImportResult(None, [Finding(
             "bad-value", "error", (), f"a DeepSpeed config is a JSON object, not {_js(ds_config)}",
             "pass the ds_config.json file")])
+    if "version" in ds_config and set(ds_config) <= set(Policy.model_fields):
+        return ImportResult(None, [Finding(
+            "not-a-ds-config", "error", ("version",),
+            "this is an actcfg policy (it has `version` and only policy keys), not a DeepSpeed "
+            "config: import reads a ds_config and writes a policy",
+            "check the policy with `actcfg validate FILE`, or write its DeepSpeed section with "
+            "`actcfg translate FILE --backend deepspeed`")])
     if _is_neox(ds_config):
         # gpt-neox's model calls deepspeed.checkpointing.checkpoint itself: external, unless
         # the caller names modules to route instead.
@@ -499,14 +560,10 @@ def import_ds_config(ds_config: Any, *, modules: Sequence[str] | None = None,
             "this section, or if the model checkpoints itself (`mode: external`)"))
     placeholder = not modules and not external
     if placeholder:
-        header.append("# checkpoint.modules: the ds_config cannot say which modules the model "
+        header.append(f"# checkpoint.modules: {source} cannot say which modules the model "
                       "routes through deepspeed.checkpointing.checkpoint: name them here")
-        findings.append(Finding(
-            "placeholder", "warning", (SECTION,),
-            "the ds_config cannot say which modules the model checkpoints: the policy holds "
-            f"`modules: [{MODULES_PLACEHOLDER}]`, which validate refuses until it is replaced",
-            "run import with --modules CLASSNAME... (the checkpointed modules' class names), "
-            "or --external if the model calls deepspeed.checkpointing.checkpoint itself"))
+        findings.append(placeholder_finding(
+            source, (SECTION,), "if the model calls deepspeed.checkpointing.checkpoint itself"))
     for f in findings:
         if f.code in ("ignored-key", "truthy-value") and len(f.path) == 2:
             header.append(_comment(f.message))

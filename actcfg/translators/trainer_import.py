@@ -25,7 +25,7 @@ from actcfg.backends.lightning import TABLE as LIGHTNING_TABLE
 from actcfg.backends.table import Key, findings
 from actcfg.errors import TranslationError
 from actcfg.policy.schema import Policy
-from actcfg.translators.ds_config import ALIASES, MODULES_PLACEHOLDER, import_ds_config
+from actcfg.translators.ds_config import ALIASES, MODULES_PLACEHOLDER, import_ds_config, yaml_comment
 
 __all__ = ["TrainerImport", "import_strategy_keywords", "import_training_arguments"]
 
@@ -38,12 +38,14 @@ _TORCH_ONLY = ("preserve_rng_state", "determinism_check", "debug", "context_fn",
 
 @dataclass(frozen=True)
 class TrainerImport:
-    """An imported policy as YAML, the (key, why) pairs the trainer would have ignored, and the
-    (key, why) pairs it accepts but never passes on (imported: actcfg's callback passes them)."""
+    """An imported policy as YAML, the (key, why) pairs the trainer would have ignored, the
+    (key, why) pairs it accepts but never passes on (imported: actcfg's callback passes them),
+    and whether the policy holds the modules placeholder (no --modules or --external given)."""
 
     yaml: str
     ignored: list[tuple[str, str]] = field(default_factory=list)
     dropped: list[tuple[str, str]] = field(default_factory=list)
+    placeholder: bool = False
 
 
 def _near(key: Any, names: list[str]) -> str | None:
@@ -77,7 +79,9 @@ def _finish(lines: list[str], ignored: list[tuple[str, str]], backend: Backend) 
     for f in findings(spec.table, policy, backend.value, spec.checkpoint_function):
         path = ".".join(f.path)
         dropped.append((path, f"{f.reason.removeprefix(f'`{path}`: ')}; {f.hint}"))
-    return TrainerImport(yaml=text, ignored=ignored, dropped=dropped)
+    return TrainerImport(yaml=text, ignored=ignored, dropped=dropped,
+                         placeholder=f"[{json.dumps(MODULES_PLACEHOLDER)}]" in text
+                         or f"[{MODULES_PLACEHOLDER}]" in text)
 
 
 # --- Hugging Face ---------------------------------------------------------------------------
@@ -91,9 +95,13 @@ def _hf_value(data: dict[str, Any], name: str) -> tuple[str, Any]:
     return name, data.get(name)
 
 
-def import_training_arguments(data: Any) -> TrainerImport:
+def import_training_arguments(data: Any, *, modules: list[str] | None = None,
+                              external: bool = False) -> TrainerImport:
     """The actcfg policy equivalent to Hugging Face `TrainingArguments` keywords (a mapping, such
-    as `TrainingArguments.to_dict()`), listing what transformers would ignore."""
+    as `TrainingArguments.to_dict()`), listing what transformers would ignore. The keywords
+    cannot say which layers transformers checkpoints: `modules` names their classes, `external`
+    keeps transformers' own checkpointing (`mode: external`); with neither, the policy holds
+    the placeholder."""
     if not isinstance(data, dict):
         raise TranslationError("TrainingArguments", Backend.HF.value,
                                f"TrainingArguments keywords are a mapping, got {type(data).__name__}")
@@ -148,33 +156,48 @@ def import_training_arguments(data: Any) -> TrainerImport:
                                    "form passes it on to the layer's forward, which swallows it: it "
                                    f"did nothing{_close(key, [*field_by_kwarg, _EVERY_N, *_TORCH_ONLY])}"))
 
+    if switch and external and "checkpoint.reentrant" in values:
+        ignored.append((f"{kwargs_name}.use_reentrant",
+                        "with --external transformers keeps checkpointing and passes it to torch "
+                        "itself; a `mode: external` policy has no reentrant field: not imported"))
+        values.pop("checkpoint.reentrant")
+    if not switch and (modules or external):
+        ignored.append(("--modules" if modules else "--external",
+                        f"{switch_name} is off, so transformers checkpoints nothing; not used"))
     lines = ["# actcfg policy imported from Hugging Face TrainingArguments (actcfg import --backend hf)"]
     lines += [_comment(f"ignored {key}: {why}") for key, why in ignored]
     lines += ["version: 1", "backend: torch"]
-    if switch:
-        lines += [
-            "# checkpoint.modules: transformers checkpoints every GradientCheckpointingLayer of the "
-            "model: name your model's decoder layer class here, or write `checkpoint: {mode: "
-            "external}` to keep HF's own checkpointing under actcfg.integrations.hf",
-            "checkpoint:", "  mode: full", f"  modules: [{json.dumps(MODULES_PLACEHOLDER)}]",
-        ]
+    if switch and external:
+        lines += ["# checkpoint: transformers keeps its own checkpointing; actcfg.integrations.hf "
+                  "configures and offloads around it", "checkpoint:", "  mode: external"]
+    elif switch:
+        if modules:
+            lines += ["checkpoint:", "  mode: full", f"  modules: [{', '.join(json.dumps(m) for m in modules)}]"]
+        else:
+            lines += [
+                "# checkpoint.modules: the TrainingArguments keywords cannot say which layers "
+                "transformers checkpoints (every GradientCheckpointingLayer of the model): name "
+                "your model's decoder layer class here, or write `checkpoint: {mode: external}` "
+                "to keep HF's own checkpointing under actcfg.integrations.hf",
+                "checkpoint:", "  mode: full", f"  modules: [{json.dumps(MODULES_PLACEHOLDER)}]",
+            ]
         if "checkpoint.reentrant" in values:
             lines.append(f"  reentrant: {json.dumps(values.pop('checkpoint.reentrant'))}")
-        lines += [f"{path}: {json.dumps(value)}" for path, value in values.items()]
+    lines += [f"{path}: {json.dumps(value)}" for path, value in values.items()]
     return _finish(lines, ignored, Backend.HF)
 
 
-def _comment(text: str) -> str:
-    # Keys come from the user's file: escape every line break so a key cannot end the comment.
-    return "# " + json.dumps(text, ensure_ascii=True)[1:-1]
+_comment = yaml_comment  # keys come from the user's file: a key cannot end the comment
 
 
 # --- Lightning --------------------------------------------------------------------------------
 
 
-def import_strategy_keywords(data: Any) -> TrainerImport:
+def import_strategy_keywords(data: Any, *, modules: list[str] | None = None, external: bool = False,
+                             num_checkpoints: int | None = None) -> TrainerImport:
     """The actcfg policy equivalent to Lightning `DeepSpeedStrategy` keywords (a mapping; its
-    `config` a mapping too), listing what Lightning would ignore and what it drops."""
+    `config` a mapping too), listing what Lightning would ignore and what it drops. `modules`,
+    `external` and `num_checkpoints` mean what they mean for a ds_config (`import_ds_config`)."""
     if not isinstance(data, dict):
         raise TranslationError("DeepSpeedStrategy", Backend.LIGHTNING.value,
                                f"DeepSpeedStrategy keywords are a mapping, got {type(data).__name__}")
@@ -201,7 +224,9 @@ def import_strategy_keywords(data: Any) -> TrainerImport:
             if _near(key, keywords):
                 ignored.append((key, "not a DeepSpeedStrategy keyword (DeepSpeedStrategy(...) raises "
                                      f"TypeError){_close(key, keywords)}"))
-    imported = import_ds_config({SECTION: section} if section is not None else {})
+    source = "the DeepSpeedStrategy config" if config is not None else "the DeepSpeedStrategy keywords"
+    imported = import_ds_config({SECTION: section} if section is not None else {}, modules=modules,
+                                external=external, num_checkpoints=num_checkpoints, source=source)
     errors = [f for f in imported.findings if f.severity == "error"]
     if errors or imported.yaml is None:
         raise TranslationError(".".join(map(str, errors[0].path)) if errors else SECTION,

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from actcfg.backends import Backend
-from actcfg.errors import ActcfgError, VerifyError
+from actcfg.errors import ActcfgError, VerifyError, install_command
 from actcfg.verification.factory import build
 from actcfg.verification.judge import judge_ranks
 from actcfg.verification.report import GradDiff, Measurements, RunMeasurement, VerifyReport
@@ -272,7 +272,7 @@ def require_cuda() -> None:
     try:
         import torch
     except ImportError as e:
-        raise VerifyError("actcfg verify needs torch: pip install actcfg[torch]") from e
+        raise VerifyError(f"actcfg verify needs torch, which is not installed: {install_command('torch')}") from e
     if not torch.cuda.is_available():
         raise VerifyError("actcfg verify measures GPU memory and needs a CUDA GPU, but "
                           "torch.cuda.is_available() is False here: run it on a GPU machine")

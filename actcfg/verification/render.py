@@ -12,7 +12,7 @@ import os
 import tempfile
 from collections.abc import Callable
 
-from actcfg.errors import VerifyError
+from actcfg.errors import VerifyError, install_command
 from actcfg.verification.report import (
     Measurements,
     VerifyReport,
@@ -163,7 +163,7 @@ REPORTER_BY_NAME: dict[str, Callable[[VerifyReport], str]] = {
 """`--format` name -> renderer."""
 
 
-_NO_MATPLOTLIB = "--plot needs matplotlib: pip install actcfg[plot]"
+_NO_MATPLOTLIB = f"--plot needs matplotlib, which is not installed: {install_command('plot')}"
 
 
 def require_plotting() -> None:
