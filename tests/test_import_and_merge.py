@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from _timeouts import scaled
 from conftest import ROOT
 
 import actcfg
@@ -174,6 +175,6 @@ def test_validate_of_a_ds_config_stays_on_the_light_path(tmp_path):
     code = ("import sys; from actcfg.cli import main; code = main(['validate', sys.argv[1]]); "
             "print(code, sorted(m for m in ('torch', 'deepspeed', 'transformers', 'lightning') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, cwd=ROOT,
-                          timeout=120)
+                          timeout=scaled(120))
     assert proc.stdout.splitlines()[-1] == "1 []", proc.stderr
     assert "error deepspeed-config" in proc.stdout
