@@ -238,6 +238,7 @@ def count_calls(model: nn.Module, submodule: str) -> list[int]:
     return calls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpoint", [
     {"mode": "full", "modules": ["LlamaDecoderLayer"]},
     {"mode": "full", "modules": ["LlamaDecoderLayer"], "reentrant": True},
@@ -263,6 +264,7 @@ def test_hf_llama_recomputes_each_layer_with_plain_gradients_and_no_kv_cache(cap
     assert model.config.use_cache is True
 
 
+@pytest.mark.slow
 def test_hf_activation_checkpointing_already_on_is_refused_and_external_keeps_it(loopback):
     model = llama()
     model.activation_checkpointing_enable()
@@ -331,6 +333,7 @@ class TrainsThroughAStep(nn.Module):
         return self.model(x).square().mean()
 
 
+@pytest.mark.slow
 def test_the_offload_step_is_the_innermost_module_enclosing_every_group(loopback):
     root = TrainsThroughAStep()
     plain, x = make()

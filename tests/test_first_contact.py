@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from _timeouts import scaled
 from conftest import CONFIGS, ROOT
 
 from actcfg.errors import install_command
@@ -33,7 +34,7 @@ def test_verify_on_a_base_install_in_a_fresh_interpreter_says_the_same():
         "from actcfg.cli import main\n"
         f"sys.exit(main(['verify', {str(SEED)!r}]))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=scaled(120))
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines()[-1] == ("actcfg: error: actcfg verify needs torch, which is not "
                                             "installed: python -m pip install -e '.[torch]' in the actcfg checkout")

@@ -107,6 +107,7 @@ def _write(name: str, content: bytes | str) -> Path:
     return path
 
 
+@pytest.mark.slow
 @_SETTINGS
 @given(data=_DATA, flow=st.booleans())
 def test_random_yaml_documents(data, flow):
@@ -114,6 +115,7 @@ def test_random_yaml_documents(data, flow):
     validate(_write("random.yaml", text), kind="random-yaml")
 
 
+@pytest.mark.slow
 @_SETTINGS
 @given(policy=st.fixed_dictionaries({"version": st.just(1)}, optional={k: _DATA for k in keys_at(()) if k != "version"}))
 def test_random_policies(policy):
@@ -153,12 +155,14 @@ _OPS = st.lists(
 )
 
 
+@pytest.mark.slow
 @_SETTINGS
 @given(config=st.sampled_from(CONFIGS), ops=_OPS)
 def test_mutated_configs(config, ops):
     validate(_write("mutated.yaml", _mutate(config.read_text(), ops)), kind="mutated-config")
 
 
+@pytest.mark.slow
 @_SETTINGS
 @given(raw=st.binary(max_size=600) | st.builds(lambda a, b: a + b, st.sampled_from([c.read_bytes() for c in CONFIGS]),
                                                st.binary(max_size=100)))
@@ -166,6 +170,7 @@ def test_random_bytes(raw):
     validate(_write("bytes.yaml", raw), kind="random-bytes")
 
 
+@pytest.mark.slow
 @_SETTINGS
 @given(text=st.text(max_size=400))
 def test_random_text(text):
@@ -370,6 +375,7 @@ def _run(*argv: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
 @given(data=st.dictionaries(_DS_KEYS, _DS_DATA, max_size=6), indent=st.sampled_from([None, 2, 4]),
        comment=st.booleans())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from _timeouts import scaled
 from conftest import ROOT
 
 import actcfg
@@ -163,3 +164,17 @@ def test_translate_help_says_what_merge_does_with_a_disagreeing_section(run_cli)
     assert "keys the file's section already has must agree with the policy, or it exits 1" in text
     assert "--replace with --merge: replace a section that disagrees, with a warning naming each old value" in text
     assert "FILE the policy YAML file to translate" in text
+
+
+def test_validate_of_a_ds_config_stays_on_the_light_path(tmp_path):
+    """Reading the ds_config as DeepSpeed does (hjson) imports neither torch nor DeepSpeed."""
+    import subprocess
+    import sys
+
+    path = write(tmp_path, "ds_config.json", '{\n  // a comment\n  "train_batch_size": 8,\n}\n')
+    code = ("import sys; from actcfg.cli import main; code = main(['validate', sys.argv[1]]); "
+            "print(code, sorted(m for m in ('torch', 'deepspeed', 'transformers', 'lightning') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, cwd=ROOT,
+                          timeout=scaled(120))
+    assert proc.stdout.splitlines()[-1] == "1 []", proc.stderr
+    assert "error deepspeed-config" in proc.stdout

@@ -17,6 +17,10 @@ from actcfg.plan import CHOICES, predict, solve
 from actcfg.plan.profile import measure_steps, profile, saved_bytes
 from actcfg.api import apply
 
+# Each test profiles a training step per candidate choice on the CPU: the quick inner loop
+# (`pytest -m "not slow"`) leaves them to CI.
+pytestmark = pytest.mark.slow
+
 
 class Layer(nn.Module):
     """Linear then GELU: saves its input (Linear) and the Linear's output (GELU's input)."""

@@ -15,10 +15,10 @@ from actcfg.translators import TRANSLATORS, translate
 from actcfg.translators.deepspeed import to_deepspeed
 
 try:
-    from tests._deepspeed_env import GLOBAL_BY_KWARG, ds_env, ds_globals
+    from tests._deepspeed_env import ds_env, ds_globals
     from tests._translate_cases import CASES, case_policies, check_golden, golden_names, orphan_goldens
 except ImportError:  # tests/ is not a package: pytest puts tests/ itself on sys.path
-    from _deepspeed_env import GLOBAL_BY_KWARG, ds_env, ds_globals
+    from _deepspeed_env import ds_env, ds_globals
     from _translate_cases import CASES, case_policies, check_golden, golden_names, orphan_goldens
 
 __all__ = ["ds_env"]  # the fixture is used by name
