@@ -312,7 +312,7 @@ def targets(rows: list[Row], workloads: list[str]) -> list[str]:
             for what, got, want in (("step time", p.step_ms, p.predicted_step_ms),
                                     ("peak", p.peak, p.predicted_peak)):
                 err = (want - got) / got if got else float("nan")
-                add(w, f"{p.variant}: predicted {what} within 10%", f"{err:+.1%}", abs(err) <= 0.10)
+                add(w, f"{p.variant}: predicted {what} within 5%", f"{err:+.1%}", abs(err) <= 0.05)
             best = best_uniform(rows, w, p.budget)
             if best is None:
                 add(w, f"{p.variant}: no slower than the best uniform policy that fits", "no uniform policy fits", p.proof == "ok")

@@ -364,7 +364,10 @@ def saved_bytes(model: nn.Module, modules: Sequence[nn.Module], args: tuple[Any,
             if storage.nbytes() and storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())
                 out[i] += storage.nbytes()
-        return t
+        # Never `t` itself: an op that saves its own output (tanh, gelu, sdpa) would then hold
+        # that output through its own grad_fn, a cycle inside autograd's C++ that gc cannot
+        # see, and this forward (never followed by backward) would keep everything it saved.
+        return t.detach()
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
