@@ -75,11 +75,15 @@ def test_a_forward_without_backward_gives_its_device_bytes_back_when_the_graph_d
         assert handle.engine.stats.device_bytes == 0
 
 
-def test_max_inflight_bounds_what_forward_holds_while_copies_run():
-    """Copies never finish by themselves here (a GPU copy still running): the engine may hold
-    the open group and `max_inflight` groups in flight, no more."""
+def test_while_copies_run_forward_holds_whole_groups_in_step_one_and_a_byte_budget_after():
+    """Copies never finish by themselves here (a GPU copy still running), each group saves 4
+    storages. Read at each boundary before the last group (which stays for backward, so the
+    step's own high-water mark is at the turn): the first step copies whole groups at their
+    boundary, so the device holds the group just finished and one in flight (max_inflight 1);
+    from the second step each storage leaves as it is saved, with at most one group's bytes in
+    flight, which is all the device holds there."""
     with host_loopback():
-        engine = OffloadEngine(pin=False, min_offload_bytes=0, keep_last=0, max_inflight=2, device="cpu")
+        engine = OffloadEngine(pin=False, min_offload_bytes=0, keep_last=1, max_inflight=1, device="cpu")
 
         class Pending:  # an event that never completes until waited for
             def query(self):
@@ -87,15 +91,23 @@ def test_max_inflight_bounds_what_forward_holds_while_copies_run():
 
         engine._copies.d2h.record_event = Pending  # type: ignore[method-assign]
         x = torch.randn(256, requires_grad=True)
-        with engine.step():
-            h = x
-            for _ in range(6):
-                engine.mark_group()
-                h = (h * 1.0).exp()
-            out = h.sum()
         one = 256 * 4
-        assert engine.stats.most_forward_device_bytes == 3 * one  # open + 2 in flight
-        out.backward()
+        held = []
+        for _ in range(2):
+            at_boundaries = []
+            with engine.step():
+                h = x
+                for _ in range(6):
+                    at_boundaries.append(engine.stats.device_bytes)
+                    engine.mark_group()
+                    for _ in range(4):
+                        h = (h * 1.0).exp()  # exp saves its output: one storage each
+                out = h.sum()
+            held.append(max(at_boundaries))
+            assert engine.stats.most_forward_device_bytes == 8 * one  # the last group and one in flight
+            out.backward()
+            assert engine.stats.device_bytes == 0
+        assert held == [8 * one, 4 * one]
 
 
 # --- the verdict ---------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import logging
 import statistics
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -173,7 +174,7 @@ class _Probe:
         self.turn_peak = 0
         self.head_peak = 0
         self.open: int | None = None  # block whose backward is running
-        self.marks: dict[int, tuple[list[int], list[int], torch.Tensor]] = {}
+        self.marks: dict[int, tuple[list[int], list[int], weakref.ref[torch.Tensor]]] = {}
         self.turn_open = False
 
     def remove(self) -> None:
@@ -182,13 +183,16 @@ class _Probe:
 
     def _boundary(self, tensor: torch.Tensor) -> tuple[list[int], list[int]]:
         key = id(tensor)
-        if key not in self.marks:
+        mark = self.marks.get(key)
+        if mark is None or mark[2]() is not tensor:  # new, or an id a dead tensor left behind
             ends: list[int] = []
             starts: list[int] = []
-            # the tensor is held too, so that its id cannot be reused within the step
-            self.marks[key] = (ends, starts, tensor)
+            # Weakly: holding the block inputs would keep on the GPU what an offload choice
+            # moves, and its measured peaks would not be its own (on an H200 the probe made
+            # checkpoint + offload look one block input per block above checkpointing alone).
+            mark = self.marks[key] = (ends, starts, weakref.ref(tensor))
             tensor.register_hook(lambda grad, e=ends, s=starts: self._backward_mark(e, s))
-        return self.marks[key][0], self.marks[key][1]
+        return mark[0], mark[1]
 
     def _pre(self, i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
