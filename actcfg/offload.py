@@ -290,7 +290,7 @@ class _Saved:
             self.modified = True
 
 
-def _stays(tensor: torch.Tensor, device: torch.device, buffers: set[int]) -> str | None:
+def stays(tensor: torch.Tensor, device: torch.device, buffers: set[int]) -> str | None:
     """Why a saved tensor of offloadable size stays where it is, or None if it moves."""
     if type(tensor) is not torch.Tensor:
         return "parameter" if isinstance(tensor, nn.Parameter) else "subclass"
@@ -568,7 +568,7 @@ class OffloadEngine:
         if nbytes < self.min_offload_bytes:
             group.kept_bytes += nbytes
             return _Kept(tensor, group)
-        reason = _stays(tensor, self.device, self._buffers)
+        reason = stays(tensor, self.device, self._buffers)
         if reason is not None:
             st.kept_for(reason, nbytes)
             group.kept_bytes += nbytes

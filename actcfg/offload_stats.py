@@ -57,7 +57,7 @@ class OffloadStats:
     when the step began); 0 for a group that stayed on the device."""
     group_kept_bytes: list[int] | None = None
     """Bytes saved in each group of the last step that stayed on the device (kept by rule, at the
-    turn, or under `min_offload_bytes` and the other rules of `_stays`)."""
+    turn, or under `min_offload_bytes` and the other rules of `stays`)."""
     reloaded_bytes: int = 0
     """Bytes copied back to the GPU in the last backward."""
     late_reloads: int = 0
@@ -113,7 +113,7 @@ class OffloadStats:
         self.kept_by_rule_bytes += nbytes
 
     def kept_for(self, reason: str, nbytes: int) -> None:
-        """A saved tensor of offloadable size stayed in place (`_stays`'s reason, or `view`)."""
+        """A saved tensor of offloadable size stayed in place (`stays`'s reason, or `view`)."""
         reasons = self.kept_bytes_by_reason if self.kept_bytes_by_reason is not None else {}
         reasons[reason] = reasons.get(reason, 0) + nbytes
         self.kept_bytes_by_reason = reasons

@@ -140,7 +140,7 @@ def timeline(model: nn.Module, x: torch.Tensor, blocks: list[nn.Module], context
              one_input: int) -> dict:
     """One more step under the planner's probe: the peak of each block's forward and backward,
     the turn and the step, above the step's start, in block inputs (where the memory goes)."""
-    from actcfg.plan.profile import _Meter, _Probe
+    from actcfg.plan.probe import Meter as _Meter, Probe as _Probe
 
     probe = _Probe(blocks, _Meter(x.device))
     try:

@@ -203,7 +203,8 @@ def test_a_plain_step_that_does_not_fit_is_estimated_from_the_checkpointed_one()
     backward is the full backward less one forward (the recompute), its peaks the full run's
     plus what keeping holds beyond the inputs, and the plain step the full step less those
     recomputes. (Synthetic runs: the arithmetic of the fallback, as the GPU profile meets it.)"""
-    from actcfg.plan.profile import _assemble, _Run, _Step
+    from actcfg.plan.cost import Run as _Run, assemble as _assemble
+    from actcfg.plan.probe import StepReading as _Step
 
     full = _Step(n=2, forward_ms=[1.0, 1.0], backward_ms=[3.0, 3.0], forward_peak=[50, 60],
                  backward_peak=[70, 80], step_ms=10.0, peak=80, turn_peak=40, outside_peak=5,
