@@ -321,7 +321,11 @@ class OffloadEngine:
       its device memory until its copy is done, so memory held during forward grows by up to
       that many groups; in exchange, compute waits less when one group's copy is longer than the
       next group's compute. Copies share one stream, so past one group it buys time only when
-      group sizes are uneven.
+      group sizes are uneven. From the second step on (when the step before says which groups
+      leave), a leaving group's storages are copied one by one as autograd saves them, and
+      the bound is in bytes: `max_inflight` times the largest group of the step before. The
+      device then holds at most that many bytes not yet copied, where whole groups waited for
+      their boundary before (the open group plus the copies in flight).
     * `keep_last`: groups marked for offload that stay on the device at the forward/backward
       turn, from the last one back. Each costs its group's device memory at the turn (the peak,
       for most models), and saves its copy both ways, which at the turn nothing hides: backward

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actcfg.plan.model import CHOICES, COUNTERPART, OFFLOADS, BlockProfile, Option, Profile
+from actcfg.plan.model import CHOICES, COUNTERPART, BlockProfile, Option, Profile
 from actcfg.plan.probe import StepReading
-from actcfg.plan.solve import predict
+from actcfg.plan.solve import predict, uniform_copies
 
 __all__ = ["MIN_EXTRA_MS", "Run", "assemble"]
 
@@ -22,9 +22,10 @@ checkpointing look free, or a plan would checkpoint what fits anyway."""
 
 @dataclass
 class Run:
+    """One uniform run: what the probe read, and the bytes the engine moved per block."""
+
     step: StepReading
     moved: list[int]
-
 
 
 def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run], device: str,
@@ -51,8 +52,14 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
     def before(c: str, b: int) -> int:
         return sum(hold[c][:b])
 
-    def prefetched(c: str, b: int) -> int:
-        return moved[c][b - 1] if c in OFFLOADS and b >= 1 else 0
+    # What the model adds above the blocks' held bytes for each uniform run (copies in flight,
+    # reloads), from solve's own terms: measured minus these is what each option records.
+    copies_only = Profile(
+        blocks=tuple(BlockProfile(name, f, 0.0, {c: Option(held=0, moved=moved[c][b]) for c in CHOICES})
+                     for b, (name, f) in enumerate(zip(names, forward_ms))),
+        plain_step_ms=0.0, plain_peak=0, turn_peak=0, forward_after_ms=0.0, backward_before_ms=0.0,
+        d2h_gbps=d2h, h2d_gbps=h2d, device=device)
+    copies = {c: uniform_copies(copies_only, c) for c in CHOICES}
 
     options: list[dict[str, Option]] = [{} for _ in range(n)]
     for c in usable:
@@ -60,8 +67,8 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
         source = runs[ran]
         for b in range(n):
             if cuda:
-                fwd = source.step.forward_peak[b] - before(ran, b) - prefetched(ran, b)
-                bwd = source.step.backward_peak[b] - before(ran, b) - prefetched(ran, b)
+                fwd = source.step.forward_peak[b] - before(ran, b) - copies[ran][0][b]
+                bwd = source.step.backward_peak[b] - before(ran, b) - copies[ran][1][b]
                 if ran != c:
                     fwd += hold["keep"][b] - hold["full"][b]
             else:  # counted, not measured: a block's activations while it runs, and again in backward
@@ -74,7 +81,7 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
                 recompute = 0.0
             options[b][c] = Option(held=hold[c][b], moved=moved[c][b], forward_peak=max(0, fwd),
                                    backward_peak=max(0, bwd), recompute_ms=recompute, extra_ms=recompute)
-    turn_peaks = [r.step.turn_peak - sum(hold[c]) - (moved[c][-1] if c in OFFLOADS else 0)
+    turn_peaks = [r.step.turn_peak - sum(hold[c]) - copies[c][2]
                   for c, r in runs.items() if c in hold] if cuda else [0]
     measured = {c: {"step_ms": r.step.step_ms, "peak": r.step.peak} for c, r in runs.items()}
     plain_ms = ref.step.step_ms if not estimated_keep else ref.step.step_ms - sum(
