@@ -324,8 +324,9 @@ class OffloadEngine:
       group sizes are uneven. From the second step on (when the step before says which groups
       leave), a leaving group's storages are copied one by one as autograd saves them, and
       the bound is in bytes: `max_inflight` times the largest group of the step before. The
-      device then holds at most that many bytes not yet copied, where whole groups waited for
-      their boundary before (the open group plus the copies in flight).
+      device then holds at most that many bytes, copies in flight and the groups kept for
+      backward together, where whole groups waited for their boundary before (the open group
+      plus the copies in flight, and at the turn the kept groups on top of the copies).
     * `keep_last`: groups marked for offload that stay on the device at the forward/backward
       turn, from the last one back. Each costs its group's device memory at the turn (the peak,
       for most models), and saves its copy both ways, which at the turn nothing hides: backward
@@ -596,9 +597,14 @@ class OffloadEngine:
         saved = _Saved(tensor, chunk)
         chunk.views.append(weakref.ref(saved))
         if fresh and group.eager:
-            # It leaves now, and compute goes on until the bytes in flight pass the budget.
-            self._launch_offload(group, [chunk])
-            self._retire(keep=_ANY, keep_bytes=self._eager_budget)
+            self._launch_offload(group, [chunk])  # it leaves now
+        if self._eager_budget:
+            # From the second step, what the engine holds in forward stays within the budget:
+            # the copies in flight and the storages of the groups that stay for backward (the
+            # last ones) together. Compute waits for the oldest copies past it, so the groups
+            # kept at the turn do not sit on top of a full budget of copies still running.
+            staying = self._stats.device_bytes - self._inflight_bytes
+            self._retire(keep=_ANY, keep_bytes=max(0, self._eager_budget - staying))
         return saved
 
     def _launch_offload(self, group: _Group, chunks: list[_Chunk] | None = None) -> None:

@@ -81,7 +81,8 @@ def test_while_copies_run_forward_holds_whole_groups_in_step_one_and_a_byte_budg
     step's own high-water mark is at the turn): the first step copies whole groups at their
     boundary, so the device holds the group just finished and one in flight (max_inflight 1);
     from the second step each storage leaves as it is saved, with at most one group's bytes in
-    flight, which is all the device holds there."""
+    flight, which is all the device holds there; and the group kept for backward counts against
+    that budget, so at the turn no full group of copies sits on top of it."""
     with host_loopback():
         engine = OffloadEngine(pin=False, min_offload_bytes=0, keep_last=1, max_inflight=1, device="cpu")
 
@@ -92,7 +93,7 @@ def test_while_copies_run_forward_holds_whole_groups_in_step_one_and_a_byte_budg
         engine._copies.d2h.record_event = Pending  # type: ignore[method-assign]
         x = torch.randn(256, requires_grad=True)
         one = 256 * 4
-        held = []
+        held, forward = [], []
         for _ in range(2):
             at_boundaries = []
             with engine.step():
@@ -104,10 +105,13 @@ def test_while_copies_run_forward_holds_whole_groups_in_step_one_and_a_byte_budg
                         h = (h * 1.0).exp()  # exp saves its output: one storage each
                 out = h.sum()
             held.append(max(at_boundaries))
-            assert engine.stats.most_forward_device_bytes == 8 * one  # the last group and one in flight
+            forward.append(engine.stats.most_forward_device_bytes)
             out.backward()
             assert engine.stats.device_bytes == 0
         assert held == [8 * one, 4 * one]
+        # at the turn: the last group and one in flight in the first step; from the second,
+        # the last group's storages count against the budget too (one over it, while waiting)
+        assert forward == [8 * one, 5 * one]
 
 
 # --- the verdict ---------------------------------------------------------------------------------
