@@ -179,7 +179,6 @@ class _Group:
         self.chunks: list[weakref.ref[_Chunk]] = []
         self.offloaded = False  # copies to the host were launched and not kept at the turn
         self.kept = False  # stayed on the device at the forward/backward turn
-        self.eager = False  # each storage is copied as soon as it is saved (from the second step)
         self.kept_bytes = 0  # bytes saved in it that stay on the device
         self.d2h_done: Any = None
         self.h2d_done: Any = None
@@ -189,22 +188,11 @@ class _Group:
 
     def summary(self) -> tuple[int, int, int]:
         """At the turn: (bytes moved to the host, bytes that stayed on the device, of those the
-        bytes marked for offload that stayed for backward), storage by storage."""
-        live = self.live()
-        moved = sum(c.nbytes for c in live if c.gpu is None)
-        stayed = sum(c.nbytes for c in live if c.gpu is not None)
-        return moved, self.kept_bytes + stayed, stayed if self.offload else 0
-
-
-class _Launch:
-    """Copies to the host launched together (a group at its boundary, or one storage as soon as
-    it is saved) and the event that says they are done."""
-
-    __slots__ = ("group", "chunks", "done", "nbytes")
-
-    def __init__(self, group: _Group, chunks: list[_Chunk], done: Any) -> None:
-        self.group, self.chunks, self.done = group, chunks, done
-        self.nbytes = sum(c.nbytes for c in chunks)
+        bytes marked for offload that stayed for backward)."""
+        live = sum(c.nbytes for c in self.live())
+        if self.offloaded:
+            return live, self.kept_bytes, 0
+        return 0, self.kept_bytes + live, live if (self.kept and self.offload) else 0
 
 
 class _Chunk:
@@ -321,12 +309,7 @@ class OffloadEngine:
       its device memory until its copy is done, so memory held during forward grows by up to
       that many groups; in exchange, compute waits less when one group's copy is longer than the
       next group's compute. Copies share one stream, so past one group it buys time only when
-      group sizes are uneven. From the second step on (when the step before says which groups
-      leave), a leaving group's storages are copied one by one as autograd saves them, and
-      the bound is in bytes: `max_inflight` times the largest group of the step before. The
-      device then holds at most that many bytes, copies in flight and the groups kept for
-      backward together, where whole groups waited for their boundary before (the open group
-      plus the copies in flight, and at the turn the kept groups on top of the copies).
+      group sizes are uneven.
     * `keep_last`: groups marked for offload that stay on the device at the forward/backward
       turn, from the last one back. Each costs its group's device memory at the turn (the peak,
       for most models), and saves its copy both ways, which at the turn nothing hides: backward
@@ -369,11 +352,6 @@ class OffloadEngine:
         # Groups marked for offload in the last step: which of them are "the last keep_last"
         # is known only from a step before (steps repeat); None until a step has ended.
         self._offload_groups_last_step: int | None = None
-        self._open_rank_last_step: int | None = None  # the group open at its end (None: a gap)
-        # From the second step on, groups that will leave are copied storage by storage as they
-        # are saved, with at most this many bytes in flight (max_inflight x the largest group of
-        # the step before): the device holds what the copies have not reached, not whole groups.
-        self._eager_budget = 0
         self._offload_groups = 0
         self._stats = OffloadStats()
         # Pinning is a CUDA registration: the host loopback copies between pageable buffers.
@@ -384,8 +362,7 @@ class OffloadEngine:
         self._step: _Step | None = None
         self._owner: int | None = None
         self._open: _Group | None = None
-        self._inflight: deque[_Launch] = deque()
-        self._inflight_bytes = 0
+        self._inflight: deque[_Group] = deque()
         self._chunks: dict[int, _Chunk] = {}
         self._closed = False
         self._warned_no_effect = False
@@ -457,15 +434,15 @@ class OffloadEngine:
     def _open_group(self, offload: bool, gap: bool) -> int:
         # Copies already done give their device memory back now, not at the next launch: an
         # offloaded block followed by kept ones must not stay resident until the turn.
-        self._retire(keep=_ANY)
+        self._retire(keep=self.max_inflight)
         group, self._open = self._open, self._new_group(offload, gap)
         if group is not None:
             self._close(group)
         return self._open.index
 
     def _close(self, group: _Group) -> None:
-        if group.eager or not (group.offload and group.live()):
-            return  # an eager group's storages left as they were saved
+        if not (group.offload and group.live()):
+            return
         expected = self._offload_groups_last_step
         if expected is not None and group.rank >= expected - self.keep_last:
             group.kept = True  # among the last keep_last: it stays for backward, which needs it first
@@ -496,32 +473,25 @@ class OffloadEngine:
         # released, so backward starts from the groups that stay: the one still open and, of
         # those marked for offload, the last keep_last (in the first step, the ones in flight).
         turn = self._offload_groups - self.keep_last
-        stay = [launch for launch in self._inflight if launch.group.rank >= turn]
+        stay = [g for g in self._inflight if g.rank >= turn]
         compute = self._copies.compute()
-        for launch in stay:
+        for group in stay:
             # Its device memory stays in use (backward reads it there). The compute stream waits
             # for the copy still reading it, so that memory is freed in order when backward is
             # done with it. (record_stream instead let the allocator free it whenever it next
             # looked: on an H200 the memory allocated after a step then differed from step to
             # step by 1.25 GB on the 200-step test.)
-            compute.wait_event(launch.done)
-            launch.group.kept = True
-            self._inflight_bytes -= launch.nbytes
-        self._inflight = deque(launch for launch in self._inflight if launch not in stay)
+            if group.d2h_done is not None:
+                compute.wait_event(group.d2h_done)
+            group.offloaded, group.kept = False, True
+        self._inflight = deque(g for g in self._inflight if g not in stay)
         self._retire(keep=0)
         open_group = self._open
         if open_group is not None:
             open_group.kept = True
         groups = [g() for g in self._step.groups] if self._step is not None else []
-        for group in groups:
-            if group is not None:
-                group.offloaded = any(c.gpu is None for c in group.live())
         self._stats.end_step(None if g is None else g.summary() for g in groups)
         self._offload_groups_last_step = self._offload_groups
-        self._open_rank_last_step = open_group.rank if open_group is not None and open_group.offload else None
-        largest = max((sum(c.nbytes for c in g.live()) for g in groups if g is not None and g.offload),
-                      default=0)
-        self._eager_budget = self.max_inflight * largest
         if self._step is not None:
             self._step.open_groups = []  # from here each group lives as long as its tensors
         self._step = self._open = None
@@ -542,10 +512,6 @@ class OffloadEngine:
 
     def _new_group(self, offload: bool, gap: bool) -> _Group:
         group = _Group(self._step, len(self._step.groups), offload, gap, self._offload_groups)
-        expected = self._offload_groups_last_step
-        group.eager = (offload and expected is not None and self._eager_budget > 0
-                       and group.rank < expected - self.keep_last
-                       and group.rank != self._open_rank_last_step)
         if offload:
             self._offload_groups += 1
         # Strongly held by the step while it runs (an empty group must still count), weakly after.
@@ -563,9 +529,9 @@ class OffloadEngine:
         if self._step is None or group is None:
             return _Kept(tensor)
         if self._inflight:
-            # A copy that has finished gives its device memory back now, in the middle of the
-            # next block's forward, not at the next boundary.
-            self._retire(keep=_ANY)
+            # A group whose copy has finished gives its device memory back now, in the middle of
+            # the next block's forward, not at the next boundary.
+            self._retire(keep=self.max_inflight)
         if not group.offload:  # kept by the policy's choice (a rule, or a gap between groups)
             group.kept_bytes += nbytes
             st.kept_by_rule(nbytes)
@@ -591,28 +557,15 @@ class OffloadEngine:
             chunk = _Chunk(tensor, group, self._pool, st)
             group.chunks.append(weakref.ref(chunk))
             self._chunks[ptr] = chunk
-            fresh = True
-        else:
-            fresh = False
         saved = _Saved(tensor, chunk)
         chunk.views.append(weakref.ref(saved))
-        if fresh and group.eager:
-            self._launch_offload(group, [chunk])  # it leaves now
-        if self._eager_budget:
-            # From the second step, what the engine holds in forward stays within the budget:
-            # the copies in flight and the storages of the groups that stay for backward (the
-            # last ones) together. Compute waits for the oldest copies past it, so the groups
-            # kept at the turn do not sit on top of a full budget of copies still running.
-            staying = self._stats.device_bytes - self._inflight_bytes
-            self._retire(keep=_ANY, keep_bytes=max(0, self._eager_budget - staying))
         return saved
 
-    def _launch_offload(self, group: _Group, chunks: list[_Chunk] | None = None) -> None:
+    def _launch_offload(self, group: _Group) -> None:
         copies = self._copies
-        copies.d2h.wait_stream(copies.compute())  # the producers of these tensors come first
+        copies.d2h.wait_stream(copies.compute())  # the producers of this group's tensors come first
         st = self._stats
-        if chunks is None:
-            chunks = [c for c in group.live() if c.gpu is not None]
+        chunks = [c for c in group.live() if c.gpu is not None]
         with copies.on(copies.d2h):
             for chunk in chunks:
                 for ref in chunk.views:
@@ -629,29 +582,23 @@ class OffloadEngine:
         for chunk in chunks:
             chunk.last_reader = group.d2h_done
         group.offloaded = True
-        launch = _Launch(group, chunks, group.d2h_done)
-        self._inflight.append(launch)
-        self._inflight_bytes += launch.nbytes
-        st.in_flight(len({id(x.group) for x in self._inflight}))
+        self._inflight.append(group)
+        st.in_flight(len(self._inflight))
 
-    def _retire(self, *, keep: int, keep_bytes: int | None = None) -> None:
-        """Drop the device copies of launches whose host copy is done, then wait (on the compute
-        stream, not the host) for the oldest copies until at most `keep` launches (and, with
-        `keep_bytes`, at most that many bytes) are in flight."""
+    def _retire(self, *, keep: int) -> None:
+        """Drop the device copies of groups whose host copy is done, then wait (on the compute
+        stream, not the host) for the oldest copies until at most `keep` groups are in flight."""
         compute = self._copies.compute()
         while self._inflight:
-            launch = self._inflight[0]
-            if not launch.done.query():
-                over = len(self._inflight) > keep or (
-                    keep_bytes is not None and self._inflight_bytes > keep_bytes)
-                if not over:
+            group = self._inflight[0]
+            if not group.d2h_done.query():
+                if len(self._inflight) <= keep:
                     break
                 # Later compute-stream work may reuse this memory only after the copy has read it.
-                compute.wait_event(launch.done)
+                compute.wait_event(group.d2h_done)
                 self._stats.copy_waits += 1
             self._inflight.popleft()
-            self._inflight_bytes -= launch.nbytes
-            for chunk in launch.chunks:
+            for chunk in group.live():
                 if chunk.host is not None:
                     chunk.release_gpu()
 
@@ -743,7 +690,6 @@ class OffloadEngine:
             return
         self._closed = True
         self._inflight.clear()
-        self._inflight_bytes = 0
         self._unpin_at_exit()
 
 
@@ -768,8 +714,6 @@ class _StepScope:
         self.hooks.__exit__(kind, value, tb)
         self.engine._end_step(judge=kind is None)
 
-
-_ANY = 1 << 62  # no bound on how many launches stay in flight: retire only the finished ones
 
 # A view is moved with its whole storage (q, k and v of one qkv projection travel as one
 # storage) unless the storage is more than this many times larger than the view.

@@ -1,9 +1,9 @@
 """The engine's memory discipline, counted: what it holds on the device at once (its own count,
 `OffloadStats.device_bytes` and the forward/backward high-water marks) against what the schedule
 allows, on the CPU through the host loopback (every decision is the engine's own; a loopback copy
-is done when launched, so a group is given back at the next pack); and the verify verdict that
-fails a checkpoint + cpu_checkpointing policy holding more block inputs in backward than
-`keep_last + 1`."""
+is done when launched, so a group is given back at the next pack or boundary); and the verify
+verdict that fails a checkpoint + cpu_checkpointing policy holding more block inputs in
+backward than `keep_last + 1`."""
 
 from __future__ import annotations
 
@@ -75,43 +75,38 @@ def test_a_forward_without_backward_gives_its_device_bytes_back_when_the_graph_d
         assert handle.engine.stats.device_bytes == 0
 
 
-def test_while_copies_run_forward_holds_whole_groups_in_step_one_and_a_byte_budget_after():
+def test_while_copies_run_forward_holds_the_group_just_finished_and_max_inflight_in_flight():
     """Copies never finish by themselves here (a GPU copy still running), each group saves 4
-    storages. Read at each boundary before the last group (which stays for backward, so the
-    step's own high-water mark is at the turn): the first step copies whole groups at their
-    boundary, so the device holds the group just finished and one in flight (max_inflight 1);
-    from the second step each storage leaves as it is saved, with at most one group's bytes in
-    flight, which is all the device holds there; and the group kept for backward counts against
-    that budget, so at the turn no full group of copies sits on top of it."""
-    with host_loopback():
-        engine = OffloadEngine(pin=False, min_offload_bytes=0, keep_last=1, max_inflight=1, device="cpu")
+    storages. Read at each boundary, before the next group's copy is launched: the device holds
+    the group just finished and `max_inflight` groups in flight, every step the same; the
+    engine's forward high-water mark (at the turn: the last group, which stays, and the copies
+    in flight) says the same."""
+    for max_inflight in (1, 2):
+        with host_loopback():
+            engine = OffloadEngine(pin=False, min_offload_bytes=0, keep_last=1,
+                                   max_inflight=max_inflight, device="cpu")
 
-        class Pending:  # an event that never completes until waited for
-            def query(self):
-                return False
+            class Pending:  # an event that never completes until waited for
+                def query(self):
+                    return False
 
-        engine._copies.d2h.record_event = Pending  # type: ignore[method-assign]
-        x = torch.randn(256, requires_grad=True)
-        one = 256 * 4
-        held, forward = [], []
-        for _ in range(2):
-            at_boundaries = []
-            with engine.step():
-                h = x
-                for _ in range(6):
-                    at_boundaries.append(engine.stats.device_bytes)
-                    engine.mark_group()
-                    for _ in range(4):
-                        h = (h * 1.0).exp()  # exp saves its output: one storage each
-                out = h.sum()
-            held.append(max(at_boundaries))
-            forward.append(engine.stats.most_forward_device_bytes)
-            out.backward()
-            assert engine.stats.device_bytes == 0
-        assert held == [8 * one, 4 * one]
-        # at the turn: the last group and one in flight in the first step; from the second,
-        # the last group's storages count against the budget too (one over it, while waiting)
-        assert forward == [8 * one, 5 * one]
+            engine._copies.d2h.record_event = Pending  # type: ignore[method-assign]
+            x = torch.randn(256, requires_grad=True)
+            group = 4 * 256 * 4
+            for _ in range(2):
+                at_boundaries = []
+                with engine.step():
+                    h = x
+                    for _ in range(6):
+                        at_boundaries.append(engine.stats.device_bytes)
+                        engine.mark_group()
+                        for _ in range(4):
+                            h = (h * 1.0).exp()  # exp saves its output: one storage each
+                    out = h.sum()
+                assert max(at_boundaries) == (1 + max_inflight) * group
+                assert engine.stats.most_forward_device_bytes == (1 + max_inflight) * group
+                out.backward()
+                assert engine.stats.device_bytes == 0
 
 
 # --- the verdict ---------------------------------------------------------------------------------
