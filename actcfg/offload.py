@@ -63,6 +63,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from actcfg.errors import OffloadError
 from actcfg.offload_pool import HostPool
@@ -278,8 +279,10 @@ class _Saved:
             self.modified = True
 
 
-def stays(tensor: torch.Tensor, device: torch.device, buffers: set[int]) -> str | None:
-    """Why a saved tensor of offloadable size stays where it is, or None if it moves."""
+def stays(tensor: torch.Tensor, device: torch.device, buffers: set[int],
+          inputs: set[int] | frozenset[int] = frozenset()) -> str | None:
+    """Why a saved tensor of offloadable size stays where it is, or None if it moves
+    (`buffers`, `inputs`: storages of the module's buffers and of the step's inputs)."""
     if type(tensor) is not torch.Tensor:
         return "parameter" if isinstance(tensor, nn.Parameter) else "subclass"
     if tensor.layout is not torch.strided:
@@ -293,6 +296,8 @@ def stays(tensor: torch.Tensor, device: torch.device, buffers: set[int]) -> str 
         return "parameter"
     if buffers and tensor.untyped_storage().data_ptr() in buffers:
         return "buffer"
+    if inputs and tensor.untyped_storage().data_ptr() in inputs:
+        return "input"  # the caller's batch: its owner holds it for the whole step
     return None
 
 
@@ -359,6 +364,7 @@ class OffloadEngine:
         self._copies = _Copies(self.device)
         self._skip_modules: list[weakref.ref[nn.Module]] = []
         self._buffers: set[int] = set()
+        self._inputs: set[int] = set()
         self._step: _Step | None = None
         self._owner: int | None = None
         self._open: _Group | None = None
@@ -382,16 +388,19 @@ class OffloadEngine:
 
     # --- forward ---------------------------------------------------------------------------
 
-    def step(self) -> _StepScope:
+    def step(self, inputs: Any = None) -> _StepScope:
         """A context manager: offload what autograd saves inside it; the last group stays on
-        the device."""
-        return _StepScope(self)
+        the device. `inputs`: the tensors the caller passed to the forward (a batch, in any
+        nesting), which stay: their owner holds them for the whole step, so moving them would
+        free nothing, and their reload would add a copy to backward (for checkpointed blocks,
+        at its peak, when the first block's input comes back)."""
+        return _StepScope(self, inputs)
 
     def in_step(self) -> bool:
         """True while this thread's forward is being offloaded."""
         return self._step is not None and self._owner == threading.get_ident()
 
-    def _open_step(self) -> None:
+    def _open_step(self, inputs: Any = None) -> None:
         if self._closed:
             raise OffloadError("this offload engine was closed (the policy was removed)")
         if self._step is not None:
@@ -403,7 +412,7 @@ class OffloadEngine:
                     "thread's forward under torch.no_grad() or in eval mode"
                 )
             raise OffloadError("offload steps do not nest: a forward pass is already being offloaded")
-        self._begin_step()
+        self._begin_step(inputs)
 
     @torch.compiler.disable
     def mark_group(self, offload: bool = True) -> None:
@@ -452,10 +461,12 @@ class OffloadEngine:
         self._retire(keep=self.max_inflight - 1)
         self._launch_offload(group)
 
-    def _begin_step(self) -> None:
+    def _begin_step(self, inputs: Any = None) -> None:
         # Whatever an earlier step left in flight (a forward that raised, say) is settled first.
         self._retire(keep=0)
         self._buffers = set()
+        self._inputs = {t.untyped_storage().data_ptr() for t in tree_flatten(inputs)[0]
+                        if type(t) is torch.Tensor and t.device == self.device}
         for ref in self._skip_modules:
             if (module := ref()) is not None:
                 for b in module.buffers():
@@ -539,7 +550,7 @@ class OffloadEngine:
         if nbytes < self.min_offload_bytes:
             group.kept_bytes += nbytes
             return _Kept(tensor, group)
-        reason = stays(tensor, self.device, self._buffers)
+        reason = stays(tensor, self.device, self._buffers, self._inputs)
         if reason is not None:
             st.kept_for(reason, nbytes)
             group.kept_bytes += nbytes
@@ -697,14 +708,16 @@ class _StepScope:
     """One forward pass under the engine's saved-tensor hooks. Entered and left outside
     torch.compile's graphs: dynamo breaks its graph here, and the forward inside is compiled."""
 
-    def __init__(self, engine: OffloadEngine) -> None:
+    def __init__(self, engine: OffloadEngine, inputs: Any = None) -> None:
         self.engine = engine
+        self.inputs = inputs
         self.hooks: Any = None
 
     @torch.compiler.disable
     def __enter__(self) -> OffloadEngine:
         engine = self.engine
-        engine._open_step()
+        engine._open_step(self.inputs)
+        self.inputs = None  # held no longer than the step needs
         self.hooks = torch.autograd.graph.saved_tensors_hooks(engine._pack, engine._unpack)
         self.hooks.__enter__()
         return engine

@@ -41,7 +41,8 @@ class OffloadStats:
     """Their bytes (views counted at their own size)."""
     kept_bytes_by_reason: dict[str, int] | None = None
     """Bytes of saved tensors of `min_offload_bytes` or more that stayed in place in the last
-    step, by reason: `parameter`, `leaf`, `buffer`, `subclass`, `layout`, `device`, `view`."""
+    step, by reason: `parameter`, `leaf`, `buffer`, `input` (the caller's batch), `subclass`,
+    `layout`, `device`, `view`."""
     offloaded_bytes: int = 0
     """Bytes copied to the host in the last step."""
     offloaded_tensors: int = 0

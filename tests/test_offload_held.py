@@ -53,6 +53,20 @@ def test_checkpoint_and_cpu_offload_hold_one_input_forward_and_two_backward():
     assert st.device_bytes == 0
 
 
+def test_the_callers_batch_stays_where_it_is():
+    """The model's input, needing no gradient, is saved by the first checkpointed block: its
+    owner holds it for the whole step, so moving it would free nothing, and reloading it would
+    add a block input to backward where the first block runs (on the H200 stack, the peak)."""
+    model, x = _stack()
+    x = x.detach()
+    one = x.numel() * x.element_size()
+    st = _steps(model, x, {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]},
+                           "cpu_checkpointing": True})
+    assert st.kept_bytes_by_reason == {"input": one}
+    assert st.offloaded_bytes == (N - 2) * one == st.reloaded_bytes
+    assert st.most_backward_device_bytes == 2 * one
+
+
 def test_offloading_every_block_holds_the_group_in_use_and_the_one_prefetched():
     """Every block's activations offloaded (no checkpoint): forward holds the open group alone,
     backward the group in use and the one reloading below it, never the whole stack."""
