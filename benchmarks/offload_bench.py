@@ -55,6 +55,9 @@ class Result:
     grad_rel_err: float = 0.0
     pinned_bytes: int = 0
     pinned_allocations_after_first_step: int = 0
+    engine_held_forward: float = 0.0  # the engine's own high-water marks, in block inputs
+    engine_held_backward: float = 0.0
+    timeline: dict = field(default_factory=dict)  # --timeline: per-block peaks, in block inputs
     proof: str = "ok"
     skipped: str = ""
 
@@ -133,8 +136,26 @@ def torch_checkpoint(model: nn.Module) -> None:
     apply_activation_checkpointing(model, check_fn=lambda m: m in blocks)
 
 
+def timeline(model: nn.Module, x: torch.Tensor, blocks: list[nn.Module], context: Callable,
+             one_input: int) -> dict:
+    """One more step under the planner's probe: the peak of each block's forward and backward,
+    the turn and the step, above the step's start, in block inputs (where the memory goes)."""
+    from actcfg.plan.probe import Meter as _Meter, Probe as _Probe
+
+    probe = _Probe(blocks, _Meter(x.device))
+    try:
+        with context(model):
+            st = probe.step(model, (x.view_as(x),), {}, lambda out: out.float().square().mean())
+    finally:
+        probe.remove()
+    r = lambda v: round(v / one_input, 2)  # noqa: E731
+    return {"forward": [r(v) for v in st.forward_peak], "backward": [r(v) for v in st.backward_peak],
+            "turn": r(st.turn_peak), "outside": r(st.outside_peak), "step": r(st.peak)}
+
+
 def measure(workload: str, variant: str, claims: list[str], factory: Callable, setup: Callable,
-            context: Callable, reference: dict | None, bw: dict, steps: int, engine_of=None) -> Result:
+            context: Callable, reference: dict | None, bw: dict, steps: int, engine_of=None,
+            with_timeline: bool = False) -> Result:
     res = Result(workload, variant, claims)
     torch.manual_seed(0)
     model, x = factory()
@@ -185,6 +206,10 @@ def measure(workload: str, variant: str, claims: list[str], factory: Callable, s
             res.bytes_out, res.bytes_in = engine.stats.offloaded_bytes, engine.stats.reloaded_bytes
             res.pinned_bytes = engine.stats.pinned_bytes
             res.pinned_allocations_after_first_step = engine.stats.pinned_allocations - first_allocs
+            res.engine_held_forward = engine.stats.most_forward_device_bytes / one_input
+            res.engine_held_backward = engine.stats.most_backward_device_bytes / one_input
+        if with_timeline:
+            res.timeline = timeline(model, x, blocks, context, one_input)
     finally:
         for p in probes_:
             p.remove()
@@ -261,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--workloads", default="seed,blocks")
+    ap.add_argument("--variants", default="",
+                    help="comma-separated substrings: run only the variants whose name contains one")
+    ap.add_argument("--timeline", action="store_true",
+                    help="print each variant's per-block forward/backward peaks (in block inputs)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("offload_bench needs a CUDA GPU", file=sys.stderr)
@@ -305,12 +334,16 @@ def main(argv: list[str] | None = None) -> int:
         del model, x
         torch.cuda.empty_cache()
         for name, claims, setup, context, engine_of in variants(workload, have_ds, have_tt, full_bytes // 2):
+            wanted = [v for v in args.variants.split(",") if v]
+            if wanted and name != "plain" and not any(v in name for v in wanted):
+                continue
             if workload == "seed":
                 # a checkpointed Linear saves its input, exactly what plain autograd saves:
                 # checkpointing the seed chain promises no lower peak, so none is claimed
                 claims = [c for c in claims if c != "checkpoint"]
             try:
-                res, ref = measure(workload, name, claims, factory, setup, context, reference, bw, args.steps, engine_of)
+                res, ref = measure(workload, name, claims, factory, setup, context, reference, bw, args.steps,
+                                   engine_of, args.timeline)
             except Exception as e:  # a peer that breaks is reported, not fatal to the run
                 res, ref = Result(workload, name, claims, proof="", skipped=f"{type(e).__name__}: {e}"[:300]), None
                 torch.cuda.empty_cache()
@@ -328,6 +361,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{workload:6s} {name:44s} {res.step_ms:8.1f} ms  peak {res.peak_gib:6.2f} GiB  "
                   f"growth {res.growth_per_block:5.2f}  bound {res.bound_ms:6.1f} ms  grad {res.grad_rel_err:.1e}  "
                   f"{res.skipped or res.proof}", flush=True)
+            if res.engine_held_forward or res.engine_held_backward:
+                print(f"       engine held at most {res.engine_held_forward:.2f} block inputs in forward, "
+                      f"{res.engine_held_backward:.2f} in backward", flush=True)
+            if res.timeline:
+                print(f"       timeline (block inputs): {res.timeline}", flush=True)
         if have_ds:
             ds_configure(False)
     meta = {

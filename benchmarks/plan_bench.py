@@ -45,7 +45,8 @@ from actcfg import probes
 from actcfg.policy.checker import load
 from actcfg.errors import PlanError
 from actcfg.plan import OFFLOADS, predict, solve
-from actcfg.plan.profile import copy_bandwidth, default_loss, profile
+from actcfg.plan.profile import copy_bandwidth, profile
+from actcfg.runtime.step import default_loss
 from actcfg.plan.write import policy_text
 from actcfg.api import apply
 from actcfg.policy.schema import Policy
@@ -312,7 +313,7 @@ def targets(rows: list[Row], workloads: list[str]) -> list[str]:
             for what, got, want in (("step time", p.step_ms, p.predicted_step_ms),
                                     ("peak", p.peak, p.predicted_peak)):
                 err = (want - got) / got if got else float("nan")
-                add(w, f"{p.variant}: predicted {what} within 10%", f"{err:+.1%}", abs(err) <= 0.10)
+                add(w, f"{p.variant}: predicted {what} within 5%", f"{err:+.1%}", abs(err) <= 0.05)
             best = best_uniform(rows, w, p.budget)
             if best is None:
                 add(w, f"{p.variant}: no slower than the best uniform policy that fits", "no uniform policy fits", p.proof == "ok")

@@ -171,13 +171,14 @@ def _moved(stats):
 
 
 @pytest.mark.parametrize(("keep_last", "first", "moved"), [
-    (0, [1, 2, 3], [1, 2, 3]), (1, [1, 2, 3], [1, 2, 3]), (2, [1, 2], [1, 2]), (3, [1, 2], [1]),
+    (0, [1, 2, 3], [1, 2, 3]), (1, [1, 2, 3], [1, 2, 3]), (2, [1, 2, 3], [1, 2]), (3, [1, 2, 3], [1]),
 ])
 def test_loopback_keep_last_keeps_the_newest_groups_marked_for_offload(keep_last, first, moved):
     """Groups 1-4 hold one layer each (0 is the empty group open before the first mark); the
     group still open at the end (4) never moves; keep_last keeps the newest ones before it too.
     In the first step the engine knows the last groups only by the copies still in flight at
-    the end (one, with max_inflight 1); from the second step on, by the step before."""
+    the end, and a loopback copy is done (and its group released, at the next pack) as soon as
+    it is launched: none; from the second step on, by the step before."""
     from actcfg.runtime.offload import OffloadEngine, host_loopback
 
     with host_loopback():
@@ -369,12 +370,12 @@ def test_pin_budget_bounds_pinned_memory_and_falls_back_once():
 @pytest.mark.cuda
 @cuda
 def test_failing_pinned_allocator_falls_back_to_pageable(monkeypatch):
-    from actcfg.runtime import offload
+    from actcfg.runtime import offload, offload_pool
 
     def refuse(self, buffer):
         raise RuntimeError("cudaHostRegister returned error 2")
 
-    monkeypatch.setattr(offload._HostPool, "_register", refuse)
+    monkeypatch.setattr(offload_pool.HostPool, "_register", refuse)
     model, x = _pair()
     _, plain_grads = _run(model, x)
     engine = offload.OffloadEngine()

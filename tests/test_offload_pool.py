@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from actcfg.runtime import offload
+from actcfg.runtime import offload, offload_pool
 from actcfg.runtime.offload import OffloadEngine, OffloadStats, OffloadWarning, host_loopback
 
 WIDTH = 1 << 14  # floats per layer's saved tensor: 64 KiB
@@ -103,7 +103,7 @@ def test_gradients_through_buffers_made_ahead_equal_the_plain_run():
 
 
 def test_a_size_seen_once_orders_no_spare():
-    pool = offload._HostPool(False, None, stats := OffloadStats())
+    pool = offload_pool.HostPool(False, None, stats := OffloadStats())
     for n in (ONE, 3 * ONE, 7 * ONE):  # none serves another (best fit takes at most 2x)
         pool.acquire(n)
     assert stats.host_buffers_on_demand == 3 and stats.host_buffers_ahead == 0
@@ -115,11 +115,11 @@ def test_a_size_seen_once_orders_no_spare():
 def no_driver(monkeypatch):
     """Pinning needs the CUDA driver: on the CPU the registration is skipped and everything the
     pool decides and counts around it is real."""
-    monkeypatch.setattr(offload._HostPool, "_register", lambda self, buffer: None)
-    monkeypatch.setattr(offload._HostPool, "_unregister", lambda self, buffer: None)
+    monkeypatch.setattr(offload_pool.HostPool, "_register", lambda self, buffer: None)
+    monkeypatch.setattr(offload_pool.HostPool, "_unregister", lambda self, buffer: None)
 
 
-def _settle(pool: offload._HostPool) -> None:
+def _settle(pool: offload_pool.HostPool) -> None:
     """Wait for the spares in preparation (their bytes are already counted)."""
     for future in list(pool._pending.values()):
         future.result()
@@ -128,7 +128,7 @@ def _settle(pool: offload._HostPool) -> None:
 def test_spares_stay_within_pin_budget_and_requests_past_it_fall_back_once(no_driver):
     stats = OffloadStats()
     budget = 5 * ONE
-    pool = offload._HostPool(True, budget, stats)
+    pool = offload_pool.HostPool(True, budget, stats)
     pinned = []
     with pytest.warns(OffloadWarning, match=r"pin_budget \(\d+ bytes\) is reached") as caught:
         for _ in range(7):
@@ -145,7 +145,7 @@ def test_spares_stay_within_pin_budget_and_requests_past_it_fall_back_once(no_dr
 
 def test_an_unused_spare_gives_way_to_a_request_under_the_budget(no_driver):
     stats = OffloadStats()
-    pool = offload._HostPool(True, 4 * ONE, stats)
+    pool = offload_pool.HostPool(True, 4 * ONE, stats)
     for _ in range(2):
         assert pool.acquire(ONE)[2]
     _settle(pool)
@@ -165,10 +165,10 @@ def test_a_spare_that_fails_to_pin_is_dropped_and_the_next_request_warns(monkeyp
         if len(calls) > 2:  # the spare, on the pool's thread
             raise RuntimeError("cudaHostRegister returned error 2")
 
-    monkeypatch.setattr(offload._HostPool, "_register", register)
-    monkeypatch.setattr(offload._HostPool, "_unregister", lambda self, buffer: None)
+    monkeypatch.setattr(offload_pool.HostPool, "_register", register)
+    monkeypatch.setattr(offload_pool.HostPool, "_unregister", lambda self, buffer: None)
     stats = OffloadStats()
-    pool = offload._HostPool(True, None, stats)
+    pool = offload_pool.HostPool(True, None, stats)
     pool.acquire(ONE)
     pool.acquire(ONE)
     _settle(pool)
@@ -180,7 +180,7 @@ def test_a_spare_that_fails_to_pin_is_dropped_and_the_next_request_warns(monkeyp
 
 
 def test_close_stops_the_pool_thread_and_drops_every_buffer(no_driver):
-    pool = offload._HostPool(True, None, OffloadStats())
+    pool = offload_pool.HostPool(True, None, OffloadStats())
     pool.acquire(ONE)
     pool.acquire(ONE)
     pool.close()
@@ -190,7 +190,7 @@ def test_close_stops_the_pool_thread_and_drops_every_buffer(no_driver):
 
 def test_a_spare_behind_a_released_buffer_gives_way_too(no_driver):
     stats = OffloadStats()
-    pool = offload._HostPool(True, 5 * ONE, stats)
+    pool = offload_pool.HostPool(True, 5 * ONE, stats)
     b1, _, _ = pool.acquire(ONE)
     pool.acquire(ONE)  # the size repeats: a spare is ordered
     _settle(pool)

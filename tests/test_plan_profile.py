@@ -82,11 +82,13 @@ def test_the_profile_has_every_choice_with_counted_bytes_and_puts_the_model_back
     prof = profile(model, ("Layer",), x, apply=apply)
     assert [b.name for b in prof.blocks] == [f"layers.{i}" for i in range(4)]
     assert prof.choices() == CHOICES and prof.device == "cpu"
-    for b in prof.blocks:
+    for i, b in enumerate(prof.blocks):
         o = b.options
+        # the first layer's input is the caller's batch: it stays, so offloading moves the rest
+        caller = ONE if i == 0 else 0
         assert [(c, o[c].held, o[c].moved) for c in CHOICES] == [
             ("keep", 2 * ONE, 0), ("selective", 2 * ONE, 0), ("full", ONE, 0),
-            ("full_offload", 0, ONE), ("offload", 0, 2 * ONE)]
+            ("full_offload", caller, ONE - caller), ("offload", caller, 2 * ONE - caller)]
         assert b.forward_ms > 0 and b.backward_ms > 0
         assert all(o[c].extra_ms > 0 for c in CHOICES if c != "keep") and o["keep"].extra_ms == 0
         assert o["offload"].extra_ms > o["keep"].extra_ms  # never cheaper than its twin
@@ -207,7 +209,8 @@ def test_a_plain_step_that_does_not_fit_is_estimated_from_the_checkpointed_one()
     backward is the full backward less one forward (the recompute), its peaks the full run's
     plus what keeping holds beyond the inputs, and the plain step the full step less those
     recomputes. (Synthetic runs: the arithmetic of the fallback, as the GPU profile meets it.)"""
-    from actcfg.plan.profile import _assemble, _Run, _Step
+    from actcfg.plan.cost import Run as _Run, assemble as _assemble
+    from actcfg.plan.probe import StepReading as _Step
 
     full = _Step(n=2, forward_ms=[1.0, 1.0], backward_ms=[3.0, 3.0], forward_peak=[50, 60],
                  backward_peak=[70, 80], step_ms=10.0, peak=80, turn_peak=40, outside_peak=5,

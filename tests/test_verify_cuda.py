@@ -67,7 +67,9 @@ def test_torch_checkpoint_with_cpu_offload_passes_on_the_seed_chain():
     report = verify(chain, SEED)
     m = report.measurements
     assert report.ok, render_text(report)
-    assert list(verdicts(report)) == ["cpu_checkpointing", "peak", "recompute", "gradients"]
+    assert list(verdicts(report)) == ["cpu_checkpointing", "held inputs", "peak", "recompute", "gradients"]
+    # backward holds the input in use and the one being prefetched: keep_last (1) + 1
+    assert m.keep_last == 1 and m.backward_held_bytes <= 2 * ONE_INPUT
     assert m.blocks == tuple(str(i) for i in range(10))
     assert m.block_input_bytes == ONE_INPUT
     assert m.dtype == "float16"

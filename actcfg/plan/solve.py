@@ -37,7 +37,7 @@ from actcfg.errors import PlanError
 from actcfg.plan.model import OFFLOADS, Profile
 from actcfg.runtime.reports import memory_size
 
-__all__ = ["MAX_FRONT", "Plan", "predict", "smallest_peak", "solve"]
+__all__ = ["MAX_FRONT", "Plan", "predict", "smallest_peak", "solve", "uniform_copies"]
 
 MAX_FRONT = 2048
 """Most entries one state of the dynamic program keeps (see the module docstring)."""
@@ -100,11 +100,15 @@ class _Terms:
                 out += self.moved(b - 2, p2)
         return out
 
+    def reload_below(self, b: int, p1: str | None) -> int:
+        """The reload of block b-1, started when block b's backward does (b = 0: none)."""
+        return self.moved(b - 1, p1) if b >= 1 else 0
+
     def need(self, b: int, p2: str | None, p1: str | None, c: str) -> int:
         """Bytes block b needs above S (the larger of its forward and backward peaks)."""
         o = self.opt(b, c)
         forward = self.inflight(b, p2, p1) + o.forward_peak
-        backward = (self.moved(b - 1, p1) if b >= 1 else 0) + o.backward_peak
+        backward = self.reload_below(b, p1) + o.backward_peak
         return max(forward, backward)
 
     def turn(self, p2: str | None, p1: str | None) -> int:
@@ -135,6 +139,20 @@ class _Terms:
 
     def cost(self, b: int, c: str) -> float:
         return self.opt(b, c).extra_ms
+
+
+def uniform_copies(profile: Profile, choice: str) -> tuple[list[int], list[int], int]:
+    """The model's copy terms when every block takes `choice`, with max_inflight 1 (the
+    profile's uniform runs): per block, the copies in flight during its forward and the reload
+    started during its backward, and the copies in flight at the turn. `predict` adds exactly
+    these above what the blocks hold; the cost model (`actcfg.plan.cost`) takes them off what
+    a uniform run measured. One model, used both ways. Needs only each option's `moved`."""
+    t = _Terms(profile, 1)
+    c = choice
+    prev = [None, c, *([c] * t.n)]  # the choice of block b-1 (None before the first)
+    forward = [t.inflight(b, prev[b - 1] if b >= 1 else None, prev[b]) for b in range(t.n)]
+    backward = [t.reload_below(b, prev[b]) for b in range(t.n)]
+    return forward, backward, t.inflight(t.n, prev[t.n - 1] if t.n >= 1 else None, prev[t.n])
 
 
 def predict(profile: Profile, choices: tuple[str, ...] | list[str], max_inflight: int = 1) -> tuple[float, int]:

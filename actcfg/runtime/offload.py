@@ -10,7 +10,12 @@ fastest offload runtimes do (../shared/reference/BACKENDS.md section 3):
   stays flat. The group still open at the end of a forward never leaves the GPU (backward needs
   it first), nor do the last `keep_last` groups marked for offload (known from the step before;
   in the first step, those whose copies are still in flight at the end); the other copies are
-  waited for at the end of forward.
+  waited for at the end of forward. A group whose copy has finished gives its device memory
+  back at once: the engine polls its copies each time autograd saves a tensor and at each
+  boundary, so the device holds the group being computed and the copies in flight, no more.
+  What it holds is counted (`OffloadStats.device_bytes` and its high-water marks, forward
+  and backward); the counting and the diagnosis live in `actcfg.runtime.offload_stats`, the host
+  pool in `actcfg.runtime.offload_pool`.
 * Per-module choices (`checkpoint.mode: rules`): `mark_group(offload=False)` opens a group whose
   tensors stay on the device (they are counted), and `end_group()` closes a group at a module's
   exit, so that what the modules between two groups save stays on the device too.
@@ -18,11 +23,12 @@ fastest offload runtimes do (../shared/reference/BACKENDS.md section 3):
   starts the reload of the group just below g, if it was offloaded, on a second side stream, so
   that copy overlaps g's backward (`prefetch` groups ahead; the gaps `end_group` opens between
   groups do not count).
-* Host memory comes from a pool reused across steps: page-locked (pinned) buffers registered with
-  `cudaHostRegister` at their exact size (torch's pinned allocator rounds every request up to a
-  power of two), never more than `pin_budget` in total, nor more than this process's part of
-  `pin_budget_per_node` (a ledger the node's ranks share: actcfg.runtime.host_budget); past either, or
-  if pinning fails, pageable buffers with one warning.
+* Host memory comes from a pool (`actcfg.runtime.offload_pool`) reused across steps: page-locked
+  (pinned) buffers registered with `cudaHostRegister` at their exact size (torch's pinned
+  allocator rounds every request up to a power of two), never more than `pin_budget` in total,
+  nor more than this process's part of `pin_budget_per_node` (a ledger the node's ranks share:
+  `actcfg.runtime.host_budget`); past either, or if pinning fails, pageable buffers with one
+  warning. The pool grows ahead of need on its own thread (see `HostPool`).
 * A saved view travels with its whole storage (q, k and v of one projection are one copy), and
   is rebuilt on the reloaded storage with its own strides and offset: `unpack(pack(t))` equals
   `t` in value, size, dtype and device, as torch's hook contract asks, and in layout too. That
@@ -58,14 +64,16 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from actcfg.errors import OffloadError
 from actcfg.runtime.host_budget import NodeBudget
+from actcfg.runtime.offload_pool import HostPool
+from actcfg.runtime.offload_stats import OffloadStats, OffloadWarning, no_effect_reason
 
 __all__ = ["OffloadEngine", "OffloadStats", "OffloadWarning", "host_loopback", "loopback_enabled"]
 
@@ -87,76 +95,6 @@ def host_loopback() -> Iterator[None]:
 def loopback_enabled() -> bool:
     """True inside `host_loopback()`."""
     return getattr(_LOOPBACK, "on", False)
-
-
-class OffloadWarning(UserWarning):
-    """The engine departed from the policy (pageable memory) or its offload had no effect."""
-
-
-@dataclass
-class OffloadStats:
-    """What the engine did: the pool over its lifetime, the rest over the last step."""
-
-    pinned_bytes: int = 0
-    """Page-locked host memory the pool holds (never above `pin_budget`)."""
-    pinned_allocations: int = 0
-    """Pinned buffers ever allocated; it stops growing once the pool is warm."""
-    pageable_bytes: int = 0
-    """Pageable host memory the pool holds (with `pin: false`, or past `pin_budget`)."""
-    pinned_fallbacks: int = 0
-    """Buffers that should have been pinned but were pageable (budget reached or pinning failed)."""
-    host_buffers_ahead: int = 0
-    """Host buffers the pool prepared ahead of need on its background thread (pages touched, and
-    pinned where pinned), off the critical path; counted in the bytes above when ordered."""
-    host_buffers_on_demand: int = 0
-    """Host buffers allocated on the engine's thread at the moment a copy needed them (a miss with
-    nothing prepared): the pool's growth on the critical path."""
-    host_wait_s: float = 0.0
-    """Seconds the engine's thread spent allocating host buffers on demand or waiting for one being
-    prepared, over the engine's lifetime: what growing the pool cost the steps that grew it."""
-    steps: int = 0
-    """Forward passes run under the engine."""
-    groups: int = 0
-    """Groups (blocks) the last step's forward was cut into."""
-    packed_tensors: int = 0
-    """Tensors autograd saved inside the last step's forward."""
-    packed_bytes: int = 0
-    """Their bytes (views counted at their own size)."""
-    kept_bytes_by_reason: dict[str, int] | None = None
-    """Bytes of saved tensors of `min_offload_bytes` or more that stayed in place in the last
-    step, by reason: `parameter`, `leaf`, `buffer`, `subclass`, `layout`, `device`, `view`."""
-    offloaded_bytes: int = 0
-    """Bytes copied to the host in the last step."""
-    offloaded_tensors: int = 0
-    """Storages copied to the host in the last step (views of one storage travel together)."""
-    kept_bytes: int = 0
-    """Bytes of the groups marked for offload that stayed on the GPU at the forward/backward
-    turn in the last step: the group open at the end, and the last `keep_last` ones."""
-    kept_by_rule_bytes: int = 0
-    """Bytes saved in the last step inside groups marked `offload=False` and in the gaps between
-    groups: they stay on the device by the policy's choice."""
-    group_offloaded_bytes: list[int] | None = None
-    """Bytes each group of the last step moved to the host, by group index (0: the group open
-    when the step began); 0 for a group that stayed on the device."""
-    group_kept_bytes: list[int] | None = None
-    """Bytes saved in each group of the last step that stayed on the device (kept by rule, at the
-    turn, or under `min_offload_bytes` and the other rules of `_stays`)."""
-    reloaded_bytes: int = 0
-    """Bytes copied back to the GPU in the last backward."""
-    late_reloads: int = 0
-    """Storages in the last backward whose reload was not prefetched (started only when needed)."""
-    kept_views: int = 0
-    """Saved views of a storage over 4x their size, left on the GPU in the last step."""
-    copy_waits: int = 0
-    """Times the compute stream waited for a copy to the host in the last step (at a group
-    boundary with `max_inflight` copies running, or at the turn): copy time compute did not hide."""
-    most_inflight: int = 0
-    """Most copies to the host in flight at once in the last step (at most `max_inflight`)."""
-
-    def as_dict(self) -> dict[str, Any]:
-        """The counters as JSON-able data."""
-        return {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
-                for k, v in vars(self).items()}
 
 
 # --- copies: CUDA streams, or synchronous copies on the host ------------------------------------
@@ -203,293 +141,6 @@ class _Copies:
     def record(self, tensor: torch.Tensor, stream: Any) -> None:
         if self.cuda:
             tensor.record_stream(stream)
-
-
-# --- host memory ------------------------------------------------------------------------------
-
-
-class _HostPool:
-    """Host buffers reused across steps, served best-fit by size; pinned ones bounded by a budget.
-
-    A request takes the smallest free buffer that holds it and is at most twice its size (an
-    exact fit when shapes repeat, as they do step after step); only a miss allocates. With shapes
-    that vary from step to step the pool can still grow past one step's need: `pin_budget`
-    bounds the pinned part.
-
-    Growing it off the critical path. A fresh buffer is slow to make: every page faults in on
-    first touch, and `cudaHostRegister` on untouched pages faults them in while it holds the
-    driver's lock (torch's own host allocator touches the pages first for that reason:
-    ATen/cuda/CachingHostAllocator.cpp, `allocWithCudaHostRegister`). With every buffer pinned
-    on the spot inside the copy launch, a first step at 16k tokens on an H200 (3B Llama,
-    checkpoint + offload) took 1.96 s against 1.24 s for HF checkpointing's (issue 23). A step's
-    offloads repeat their sizes block after block, so a size missed twice predicts a third: the
-    pool then prepares one *spare* of that size on a background thread (pages touched, then
-    registered) while the next block computes, and the request that takes a spare (with no
-    other free buffer of its size left) orders the next one. So the first step
-    pins two buffers per repeating size on demand and the rest ahead; a later step finds every
-    buffer free and orders nothing. What this costs: one unused spare per repeating size after
-    the pool has grown (about one block's offload), counted in `pinned_bytes` like any buffer.
-    Spares give way to requests under `pin_budget` (an unused spare is unpinned to make room),
-    and a spare that cannot be pinned is dropped without a warning (the request that finds the
-    pinning failed warns). Preparing runs for pageable buffers too (touching pages is most of
-    their cost), which is how the host loopback exercises it.
-    """
-
-    def __init__(self, pin: bool, pin_budget: int | None, stats: OffloadStats,
-                 node: NodeBudget | None = None, register: bool = True) -> None:
-        self._pin = pin
-        self._budget = pin_budget
-        self._node = node  # this process's account of pin_budget_per_node
-        self._register_buffers = register  # False on the host loopback: counted, not registered
-        self._stats = stats
-        self._free: dict[int, list[tuple[torch.Tensor, Any, bool]]] = {}
-        self._registered: list[torch.Tensor] = []
-        self._pin_failed = False
-        self._pin_error = ""
-        self._warned = False
-        self._misses: dict[int, int] = {}  # on-demand allocations per size
-        self._spares: set[int] = set()  # data_ptrs of prepared buffers no request has taken yet
-        self._pending: dict[int, concurrent.futures.Future[None]] = {}  # size -> spare in preparation
-        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
-        self._closed = False
-        # Reentrant: a chunk's __del__ (which releases its buffer) can run from garbage
-        # collection in the middle of acquire() on the same thread.
-        self._lock = threading.RLock()
-
-    def acquire(self, nbytes: int) -> tuple[torch.Tensor, Any, bool]:
-        """A uint8 host buffer of at least `nbytes`, the event its last reader recorded, and
-        whether it is pinned. Use its first `nbytes`; release the whole buffer."""
-        waited = 0.0
-        while True:
-            with self._lock:
-                entry = self._take(nbytes)
-                if entry is not None:
-                    self._stats.host_wait_s += waited
-                    return entry
-                # A spare that fits is on its way: waiting for the rest of its preparation is
-                # never slower than starting a buffer of our own (and pins nothing twice).
-                coming = next((f for size, f in self._pending.items() if nbytes <= size <= 2 * nbytes), None)
-            if coming is None:
-                break
-            t0 = time.perf_counter()
-            concurrent.futures.wait([coming])
-            waited += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        buffer = self._new_pinned(nbytes) if self._pin else None
-        pinned = buffer is not None
-        if buffer is None:
-            buffer = _touched(nbytes)
-            self._stats.pageable_bytes += nbytes
-        self._stats.host_buffers_on_demand += 1
-        self._stats.host_wait_s += waited + time.perf_counter() - t0
-        with self._lock:
-            self._misses[nbytes] = self._misses.get(nbytes, 0) + 1
-            if self._misses[nbytes] >= 2:  # this size repeats: the next request for it is likely
-                self._order_spare(nbytes)
-        return buffer, None, pinned
-
-    def _take(self, nbytes: int) -> tuple[torch.Tensor, Any, bool] | None:
-        """The best-fitting free buffer, or None; taking the last spare of a size orders the next.
-        The caller holds the lock."""
-        fits = [size for size, free in self._free.items() if free and nbytes <= size <= 2 * nbytes]
-        if not fits:
-            return None
-        size = min(fits)
-        entry = self._free[size].pop()
-        ptr = entry[0].data_ptr()
-        if ptr in self._spares:
-            self._spares.discard(ptr)
-            # Only while the pool is short of this size: a step that finds its buffers free
-            # (every step after the first at a length) takes no spare or leaves others free.
-            if not self._free[size]:
-                self._order_spare(size)
-        return entry
-
-    def _order_spare(self, nbytes: int) -> None:
-        """Prepare one buffer of `nbytes` on the background thread, unless one is on its way or
-        the budget has no room for it (a spare is a guess; it never pushes a request past the
-        budget). The caller holds the lock."""
-        if self._closed or nbytes in self._pending:
-            return
-        pinned = self._pin and not self._pin_failed
-        if pinned:
-            if self._budget is not None and self._stats.pinned_bytes + nbytes > self._budget:
-                return
-            if self._node is not None and not self._node.reserve(nbytes):
-                return  # the node has no room for a guess; a request will say so if it needs it
-            self._stats.pinned_bytes += nbytes  # reserved now, so the budget sees it at once
-            self._stats.pinned_allocations += 1
-        else:
-            self._stats.pageable_bytes += nbytes
-        self._stats.host_buffers_ahead += 1
-        if self._worker is None:
-            # One thread: registrations serialize on the driver's lock anyway, and one worker
-            # keeps the spares in the order they were ordered.
-            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="actcfg-host-pool")
-        # The device the engine copies on (acquire runs under its copy stream, which makes it
-        # current): a new thread's current device is 0, and a CUDA call there would create a
-        # context on GPU 0 for every rank of a job that does not mask devices.
-        device = torch.cuda.current_device() if pinned and torch.cuda.is_available() else None
-        self._pending[nbytes] = self._worker.submit(self._prepare, nbytes, pinned, device)
-
-    def _prepare(self, nbytes: int, pinned: bool, device: int | None) -> None:
-        """On the background thread: make a spare and put it in the free list."""
-        buffer = _touched(nbytes)
-        if pinned:
-            try:
-                if device is not None:
-                    torch.cuda.set_device(device)  # this thread's current device only
-                if self._register_buffers:
-                    self._register(buffer)
-            except (RuntimeError, OSError) as e:
-                if self._node is not None:
-                    self._node.release(nbytes)
-                with self._lock:
-                    self._stats.pinned_bytes -= nbytes
-                    self._stats.pinned_allocations -= 1
-                    self._pin_failed, self._pin_error = True, str(e)
-                    self._pending.pop(nbytes, None)
-                return
-        with self._lock:
-            self._pending.pop(nbytes, None)
-            if self._closed:  # close() ran meanwhile: nothing may stay registered
-                if pinned:
-                    self._unregister(buffer)
-                    if self._node is not None:
-                        self._node.release(nbytes)
-                return
-            if pinned and self._register_buffers:
-                self._registered.append(buffer)
-            self._free.setdefault(nbytes, []).append((buffer, None, pinned))
-            self._spares.add(buffer.data_ptr())
-
-    def release(self, buffer: torch.Tensor, event: Any, pinned: bool) -> None:
-        with self._lock:
-            self._free.setdefault(buffer.numel(), []).append((buffer, event, pinned))
-
-    def _new_pinned(self, nbytes: int) -> torch.Tensor | None:
-        if self._budget is not None and self._stats.pinned_bytes + nbytes > self._budget:
-            self._drop_spares(nbytes)
-        over_budget = self._budget is not None and self._stats.pinned_bytes + nbytes > self._budget
-        if over_budget or self._pin_failed:
-            self._fall_back(
-                f"pin_budget ({self._budget} bytes) is reached" if over_budget
-                else f"pinning host memory failed earlier ({self._pin_error})" if self._pin_error
-                else "pinning host memory failed earlier"
-            )
-            return None
-        node = self._node
-        if node is not None and not node.reserve(nbytes):
-            held, ranks = node.node_held()
-            self._fall_back(f"pin_budget_per_node ({node.budget} bytes) is reached: {ranks} ranks "
-                            f"of this job hold {held} bytes pinned on this node",
-                            "pin_budget_per_node")
-            return None
-        buffer = _touched(nbytes)  # pages faulted in here, not under the driver's lock
-        try:
-            if self._register_buffers:
-                self._register(buffer)
-        except (RuntimeError, OSError) as e:
-            if node is not None:
-                node.release(nbytes)
-            self._pin_failed = True
-            self._fall_back(f"pinning {nbytes} bytes of host memory failed ({e})")
-            return None
-        with self._lock:
-            if self._register_buffers:
-                self._registered.append(buffer)
-            self._stats.pinned_bytes += nbytes
-            self._stats.pinned_allocations += 1
-        return buffer
-
-    def _drop_spares(self, nbytes: int) -> None:
-        """Unpin unused spares (largest first) until `nbytes` more fit the budget: a guess never
-        costs a request its pinned memory."""
-        with self._lock:
-            pending = list(self._pending.values())
-        concurrent.futures.wait(pending)  # their bytes are reserved
-        with self._lock:
-            for size in sorted(self._free, reverse=True):
-                for entry in [e for e in self._free[size] if e[0].data_ptr() in self._spares and e[2]]:
-                    if self._stats.pinned_bytes + nbytes <= self._budget:
-                        return
-                    # by identity: list.remove would compare tensors elementwise
-                    self._free[size] = [e for e in self._free[size] if e is not entry]
-                    self._spares.discard(entry[0].data_ptr())
-                    self._registered = [b for b in self._registered if b is not entry[0]]
-                    self._unregister(entry[0])  # never used by a copy: nothing reads it
-                    if self._node is not None:
-                        self._node.release(size)
-                    self._stats.pinned_bytes -= size
-
-    def _register(self, buffer: torch.Tensor) -> None:
-        # cudaHostRegister pins exactly these bytes; torch's caching host allocator would round
-        # the request up to a power of two (vllm-project/vllm#56410), up to 2x over the budget.
-        # Portable: pinned for every context, whichever device this thread has current (the
-        # background thread has none of its own).
-        cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel(), _HOST_REGISTER_PORTABLE)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister returned error {int(err)}")
-
-    def _unregister(self, buffer: torch.Tensor) -> None:
-        if self._register_buffers:
-            torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
-
-    def _fall_back(self, why: str, knob: str = "pin_budget") -> None:
-        self._stats.pinned_fallbacks += 1
-        if not self._warned:
-            self._warned = True
-            warnings.warn(
-                f"actcfg offload: {why}; offloading into pageable host memory from here on, "
-                f"which copies several times slower. Raise `{knob}` (or free host memory) "
-                "to keep every offload pinned.",
-                OffloadWarning,
-                stacklevel=4,
-            )
-
-    def close(self) -> None:
-        """Unpin and drop every buffer. The caller makes sure no copy is in flight."""
-        with self._lock:
-            self._closed = True  # a spare still in preparation unpins itself
-            worker, self._worker = self._worker, None
-        if worker is not None:
-            # Not from the worker itself (a finalizer may run there): it sees _closed.
-            on_worker = threading.current_thread().name.startswith("actcfg-host-pool")
-            worker.shutdown(wait=not on_worker, cancel_futures=True)
-        with self._lock:
-            self._pending.clear()
-            if not self._registered:
-                self._free.clear()
-                self._leave_node()
-                return
-            if torch.cuda.is_initialized():
-                torch.cuda.synchronize()  # no copy may still touch a buffer we unpin
-            for buffer in self._registered:
-                self._unregister(buffer)
-            self._registered.clear()
-            self._free.clear()
-            self._leave_node()
-
-    def _leave_node(self) -> None:
-        # Only once nothing is pinned any more: another rank may pin these bytes right after.
-        if self._node is not None:
-            self._node.close()
-
-
-# cudaHostRegisterPortable (driver_types.h).
-_HOST_REGISTER_PORTABLE = 1
-_PAGE = 4096
-
-
-def _touched(nbytes: int) -> torch.Tensor:
-    """A new uint8 host buffer with every page faulted in: one byte written per 4 KiB page (and
-    the last byte), which is all a page fault needs; larger pages are touched several times."""
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
-    if nbytes:
-        buffer[::_PAGE].zero_()
-        buffer[-1:].zero_()
-    return buffer
 
 
 # --- what autograd keeps ------------------------------------------------------------------------
@@ -542,6 +193,14 @@ class _Group:
     def live(self) -> list[_Chunk]:
         return [c for ref in self.chunks if (c := ref()) is not None]
 
+    def summary(self) -> tuple[int, int, int]:
+        """At the turn: (bytes moved to the host, bytes that stayed on the device, of those the
+        bytes marked for offload that stayed for backward)."""
+        live = sum(c.nbytes for c in self.live())
+        if self.offloaded:
+            return live, self.kept_bytes, 0
+        return 0, self.kept_bytes + live, live if (self.kept and self.offload) else 0
+
 
 class _Chunk:
     """One device storage that saved tensors view, moved as a whole: its bytes go to the host and
@@ -551,10 +210,10 @@ class _Chunk:
 
     __slots__ = (
         "__weakref__", "group", "device", "nbytes", "gpu", "host", "buffer", "pinned", "reloaded",
-        "pool", "last_reader", "views",
+        "pool", "stats", "last_reader", "views",
     )
 
-    def __init__(self, tensor: torch.Tensor, group: _Group, pool: _HostPool) -> None:
+    def __init__(self, tensor: torch.Tensor, group: _Group, pool: HostPool, stats: OffloadStats) -> None:
         storage = tensor.untyped_storage()
         self.group = group
         self.device = tensor.device
@@ -566,6 +225,8 @@ class _Chunk:
         self.pinned = False
         self.reloaded: torch.Tensor | None = None
         self.pool = pool
+        self.stats = stats  # counts the device bytes the chunk holds (its storage, or its reload)
+        stats.hold(self.nbytes)
         self.last_reader: Any = None
         self.views: list[weakref.ref[_Saved]] = []
 
@@ -575,11 +236,21 @@ class _Chunk:
             if (saved := ref()) is not None:
                 saved.check_version()
                 saved.view = None
-        self.gpu = None
+        if self.gpu is not None:
+            self.gpu = None
+            self.stats.release(self.nbytes)
+
+    def reload_into(self, gpu: torch.Tensor) -> None:
+        """Backward's copy of the storage, held until the last view of it is done."""
+        self.reloaded = gpu
+        self.stats.hold(self.nbytes)
 
     def __del__(self) -> None:
-        # Every saved view of this storage is gone: its host buffer can serve the next step,
-        # once the last copy that reads or writes it has finished.
+        # Every saved view of this storage is gone: its device memory (if still held) goes back,
+        # and its host buffer can serve the next step once the last copy that reads or writes
+        # it has finished.
+        if getattr(self, "gpu", None) is not None or getattr(self, "reloaded", None) is not None:
+            self.stats.release(self.nbytes)
         if getattr(self, "buffer", None) is not None:
             try:
                 self.pool.release(self.buffer, self.last_reader, self.pinned)
@@ -614,8 +285,10 @@ class _Saved:
             self.modified = True
 
 
-def _stays(tensor: torch.Tensor, device: torch.device, buffers: set[int]) -> str | None:
-    """Why a saved tensor of offloadable size stays where it is, or None if it moves."""
+def stays(tensor: torch.Tensor, device: torch.device, buffers: set[int],
+          inputs: set[int] | frozenset[int] = frozenset()) -> str | None:
+    """Why a saved tensor of offloadable size stays where it is, or None if it moves
+    (`buffers`, `inputs`: storages of the module's buffers and of the step's inputs)."""
     if type(tensor) is not torch.Tensor:
         return "parameter" if isinstance(tensor, nn.Parameter) else "subclass"
     if tensor.layout is not torch.strided:
@@ -629,6 +302,8 @@ def _stays(tensor: torch.Tensor, device: torch.device, buffers: set[int]) -> str
         return "parameter"
     if buffers and tensor.untyped_storage().data_ptr() in buffers:
         return "buffer"
+    if inputs and tensor.untyped_storage().data_ptr() in inputs:
+        return "input"  # the caller's batch: its owner holds it for the whole step
     return None
 
 
@@ -694,11 +369,12 @@ class OffloadEngine:
         # Pinning is a CUDA registration: the host loopback counts its buffers as pinned (so
         # both budgets act in CPU CI) and registers none.
         node = NodeBudget(pin_budget_per_node) if pin and pin_budget_per_node is not None else None
-        self._pool = _HostPool(pin, pin_budget, self._stats, node,
-                               register=self.device.type == "cuda")
+        self._pool = HostPool(pin, pin_budget, self._stats, node,
+                              register=self.device.type == "cuda")
         self._copies = _Copies(self.device)
         self._skip_modules: list[weakref.ref[nn.Module]] = []
         self._buffers: set[int] = set()
+        self._inputs: set[int] = set()
         self._step: _Step | None = None
         self._owner: int | None = None
         self._open: _Group | None = None
@@ -722,16 +398,19 @@ class OffloadEngine:
 
     # --- forward ---------------------------------------------------------------------------
 
-    def step(self) -> _StepScope:
+    def step(self, inputs: Any = None) -> _StepScope:
         """A context manager: offload what autograd saves inside it; the last group stays on
-        the device."""
-        return _StepScope(self)
+        the device. `inputs`: the tensors the caller passed to the forward (a batch, in any
+        nesting), which stay: their owner holds them for the whole step, so moving them would
+        free nothing, and their reload would add a copy to backward (for checkpointed blocks,
+        at its peak, when the first block's input comes back)."""
+        return _StepScope(self, inputs)
 
     def in_step(self) -> bool:
         """True while this thread's forward is being offloaded."""
         return self._step is not None and self._owner == threading.get_ident()
 
-    def _open_step(self) -> None:
+    def _open_step(self, inputs: Any = None) -> None:
         if self._closed:
             raise OffloadError("this offload engine was closed (the policy was removed)")
         if self._step is not None:
@@ -743,7 +422,7 @@ class OffloadEngine:
                     "thread's forward under torch.no_grad()"
                 )
             raise OffloadError("offload steps do not nest: a forward pass is already being offloaded")
-        self._begin_step()
+        self._begin_step(inputs)
 
     @torch.compiler.disable
     def mark_group(self, offload: bool = True) -> None:
@@ -792,22 +471,18 @@ class OffloadEngine:
         self._retire(keep=self.max_inflight - 1)
         self._launch_offload(group)
 
-    def _begin_step(self) -> None:
+    def _begin_step(self, inputs: Any = None) -> None:
         # Whatever an earlier step left in flight (a forward that raised, say) is settled first.
         self._retire(keep=0)
         self._buffers = set()
+        self._inputs = {t.untyped_storage().data_ptr() for t in tree_flatten(inputs)[0]
+                        if type(t) is torch.Tensor and t.device == self.device}
         for ref in self._skip_modules:
             if (module := ref()) is not None:
                 for b in module.buffers():
                     if type(b) is torch.Tensor and b.device == self.device:
                         self._buffers.add(b.untyped_storage().data_ptr())
-        st = self._stats
-        st.steps += 1
-        st.offloaded_bytes = st.offloaded_tensors = st.kept_bytes = st.kept_by_rule_bytes = 0
-        st.reloaded_bytes = st.late_reloads = st.kept_views = st.copy_waits = st.most_inflight = 0
-        st.packed_tensors = st.packed_bytes = st.groups = 0
-        st.kept_bytes_by_reason = {}
-        st.group_offloaded_bytes, st.group_kept_bytes = [], []
+        self._stats.begin_step()
         self._step = _Step()
         self._owner = threading.get_ident()
         self._offload_groups = 0
@@ -832,23 +507,11 @@ class OffloadEngine:
             group.offloaded, group.kept = False, True
         self._inflight = deque(g for g in self._inflight if g not in stay)
         self._retire(keep=0)
-        st = self._stats
         open_group = self._open
         if open_group is not None:
             open_group.kept = True
         groups = [g() for g in self._step.groups] if self._step is not None else []
-        for group in groups:
-            if group is None:
-                st.group_offloaded_bytes.append(0)
-                st.group_kept_bytes.append(0)
-                continue
-            moved = sum(c.nbytes for c in group.live()) if group.offloaded else 0
-            stayed = group.kept_bytes + (0 if group.offloaded else sum(c.nbytes for c in group.live()))
-            st.group_offloaded_bytes.append(moved)
-            st.group_kept_bytes.append(stayed)
-            if group.kept and group.offload:
-                st.kept_bytes += sum(c.nbytes for c in group.live())
-        st.groups = len(groups)
+        self._stats.end_step(None if g is None else g.summary() for g in groups)
         self._offload_groups_last_step = self._offload_groups
         if self._step is not None:
             self._step.open_groups = []  # from here each group lives as long as its tensors
@@ -859,30 +522,11 @@ class OffloadEngine:
             self._warn_if_no_effect()
 
     def _warn_if_no_effect(self) -> None:
-        st = self._stats
-        if st.offloaded_bytes or self._warned_no_effect:
+        if self._warned_no_effect:
             return
-        if st.packed_tensors == 0:
-            why = ("no saved activation reached the offload hooks: autograd saved nothing inside "
-                   "the scope (a compiled region that bypassed the hooks, frozen weights with "
-                   "an input that needs no grad, or a forward outside the model)")
-        elif st.kept_bytes >= self.min_offload_bytes and st.groups <= 1:
-            why = (f"all {_mb(st.kept_bytes)} of offloadable activations fell into one group, the "
-                   "last, which stays on the GPU for backward: no block boundary was seen during "
-                   "the forward (are the checkpointed or grouped modules ever called?)")
-        elif st.kept_bytes >= self.min_offload_bytes:
-            why = (f"the only offloadable activations ({_mb(st.kept_bytes)}) were saved in the last "
-                   "group, which stays on the GPU for backward")
-        elif st.kept_by_rule_bytes and st.kept_by_rule_bytes >= st.packed_bytes - st.kept_bytes:
-            why = (f"{_mb(st.kept_by_rule_bytes)} of saved activations stayed in groups the policy "
-                   "keeps on the device, and the groups marked for offload saved nothing to move "
-                   "(are the modules whose rule offloads ever called?)")
-        elif st.kept_bytes_by_reason:
-            reasons = ", ".join(f"{_mb(n)} as {r}" for r, n in sorted(st.kept_bytes_by_reason.items()))
-            why = f"every large saved tensor stays in place by rule ({reasons})"
-        else:
-            why = (f"every saved tensor was under min_offload_bytes ({_mb(self.min_offload_bytes)}): "
-                   f"{st.packed_tensors} tensors, {_mb(st.packed_bytes)} in all")
+        why = no_effect_reason(self._stats, self.min_offload_bytes)
+        if why is None:
+            return
         self._warned_no_effect = True
         warnings.warn(f"actcfg offload: a training forward offloaded nothing: {why}.",
                       OffloadWarning, stacklevel=4)
@@ -901,21 +545,24 @@ class OffloadEngine:
     def _pack(self, tensor: torch.Tensor) -> _Saved | _Kept:
         nbytes = tensor.numel() * tensor.element_size()
         st = self._stats
-        st.packed_tensors += 1
-        st.packed_bytes += nbytes
+        st.packed(nbytes)
         group = self._open
         if self._step is None or group is None:
             return _Kept(tensor)
+        if self._inflight:
+            # A group whose copy has finished gives its device memory back now, in the middle of
+            # the next block's forward, not at the next boundary.
+            self._retire(keep=self.max_inflight)
         if not group.offload:  # kept by the policy's choice (a rule, or a gap between groups)
             group.kept_bytes += nbytes
-            st.kept_by_rule_bytes += nbytes
+            st.kept_by_rule(nbytes)
             return _Kept(tensor, group)
         if nbytes < self.min_offload_bytes:
             group.kept_bytes += nbytes
             return _Kept(tensor, group)
-        reason = _stays(tensor, self.device, self._buffers)
+        reason = stays(tensor, self.device, self._buffers, self._inputs)
         if reason is not None:
-            st.kept_bytes_by_reason[reason] = st.kept_bytes_by_reason.get(reason, 0) + nbytes
+            st.kept_for(reason, nbytes)
             group.kept_bytes += nbytes
             return _Kept(tensor, group)
         storage = tensor.untyped_storage()
@@ -925,11 +572,10 @@ class OffloadEngine:
             if storage.nbytes() > _MAX_STORAGE_OVER_VIEW * nbytes:
                 # A small view of a large storage: moving the storage would move mostly other
                 # data, and a copy of the view alone would change its layout. It stays.
-                st.kept_views += 1
-                st.kept_bytes_by_reason["view"] = st.kept_bytes_by_reason.get("view", 0) + nbytes
+                st.kept_for("view", nbytes)
                 group.kept_bytes += nbytes
                 return _Kept(tensor, group)
-            chunk = _Chunk(tensor, group, self._pool)
+            chunk = _Chunk(tensor, group, self._pool, st)
             group.chunks.append(weakref.ref(chunk))
             self._chunks[ptr] = chunk
         saved = _Saved(tensor, chunk)
@@ -952,14 +598,13 @@ class OffloadEngine:
                 host = buffer[: chunk.nbytes]
                 host.copy_(chunk.gpu, non_blocking=pinned)
                 chunk.host, chunk.buffer, chunk.pinned = host, buffer, pinned
-                st.offloaded_bytes += chunk.nbytes
-                st.offloaded_tensors += 1
+                st.copied_out(chunk.nbytes)
             group.d2h_done = copies.d2h.record_event()
         for chunk in chunks:
             chunk.last_reader = group.d2h_done
         group.offloaded = True
         self._inflight.append(group)
-        st.most_inflight = max(st.most_inflight, len(self._inflight))
+        st.in_flight(len(self._inflight))
 
     def _retire(self, *, keep: int) -> None:
         """Drop the device copies of groups whose host copy is done, then wait (on the compute
@@ -1051,8 +696,8 @@ class OffloadEngine:
                 copies.record(gpu, copies.h2d)
                 # Held by the chunk, which dies with the last saved view of it: the reloaded
                 # storage lives as long as backward still needs one of its views.
-                chunk.reloaded = gpu
-                self._stats.reloaded_bytes += chunk.nbytes
+                chunk.reload_into(gpu)
+                self._stats.copied_back(chunk.nbytes)
             done = copies.h2d.record_event()
         for chunk in targets:
             chunk.last_reader = done
@@ -1073,14 +718,16 @@ class _StepScope:
     """One forward pass under the engine's saved-tensor hooks. Entered and left outside
     torch.compile's graphs: dynamo breaks its graph here, and the forward inside is compiled."""
 
-    def __init__(self, engine: OffloadEngine) -> None:
+    def __init__(self, engine: OffloadEngine, inputs: Any = None) -> None:
         self.engine = engine
+        self.inputs = inputs
         self.hooks: Any = None
 
     @torch.compiler.disable
     def __enter__(self) -> OffloadEngine:
         engine = self.engine
-        engine._open_step()
+        engine._open_step(self.inputs)
+        self.inputs = None  # held no longer than the step needs
         self.hooks = torch.autograd.graph.saved_tensors_hooks(engine._pack, engine._unpack)
         self.hooks.__enter__()
         return engine
@@ -1094,10 +741,6 @@ class _StepScope:
 # A view is moved with its whole storage (q, k and v of one qkv projection travel as one
 # storage) unless the storage is more than this many times larger than the view.
 _MAX_STORAGE_OVER_VIEW = 4
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.1f} kB"
 
 
 def _modified_error(size: Any, dtype: torch.dtype) -> RuntimeError:

@@ -254,7 +254,7 @@ class _OffloadScope(NotPicklable):
         if not self._training(module):
             return call_inner(module, previous, *args, **kwargs)
         self._close_group_step()  # one a KeyboardInterrupt left open
-        with self.engine.step():
+        with self.engine.step(inputs=(args, kwargs)):  # the caller's batch stays
             self._begin()
             if self.own_group is not None:
                 name, offload = self.own_group

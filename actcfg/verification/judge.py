@@ -67,6 +67,26 @@ def _judge_offload(m: Measurements) -> Verdict:
                    f"block, {size}: {effect}")
 
 
+def _judge_held(m: Measurements) -> Verdict | None:
+    """Checkpointed blocks whose inputs are offloaded: backward may hold the group in use and
+    the one being prefetched, and at the turn the last `keep_last` groups (the group still open
+    at the end of forward, the last block's input, stays whatever keep_last says)."""
+    if m.backward_held_bytes is None or m.keep_last is None:
+        return None
+    one = m.block_input_bytes
+    allowed = max(m.keep_last, 1) + 1
+    held = m.backward_held_bytes / one
+    forward = "" if m.forward_held_bytes is None else (
+        f"; forward held {m.forward_held_bytes / one:.1f} at most")
+    text = (f"backward held {held:.1f} block inputs on the GPU at most, against the "
+            f"{allowed} the schedule allows (keep_last {m.keep_last}: the block in use and the "
+            f"one being prefetched){forward}")
+    if held > allowed + FLAT_FRACTION:
+        return Verdict("held inputs", False, f"cpu_checkpointing is on but {text}: groups are "
+                                             "released late")
+    return Verdict("held inputs", True, text)
+
+
 def _judge_peak(policy: Policy, m: Measurements) -> Verdict:
     plain, ours = m.plain.peak, m.policy.peak
     # "Below" by more than noise: 5% of one block input, as for flat memory.
@@ -204,6 +224,8 @@ def judge(policy: Policy, measurements: Measurements) -> list[Verdict]:
     out: list[Verdict] = []
     if policy.cpu_checkpointing:
         out.append(_judge_offload(m))
+        if policy.checkpoint.mode in ("full", "selective") and (held := _judge_held(m)) is not None:
+            out.append(held)
     if policy.checkpoint.mode != "none" or policy.cpu_checkpointing:
         out.append(_judge_peak(policy, m))
     if policy.partition:

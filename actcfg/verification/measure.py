@@ -256,6 +256,18 @@ def _host_bytes(handle: Any, pool_before: int | None) -> tuple[int | None, int |
     return max(0, pool_after - pool_before), None
 
 
+def _held(handle: Any) -> dict[str, int | None]:
+    """The offload engine's own count of device bytes it held at once, forward and backward,
+    in the last step, and its keep_last (all None without actcfg's engine)."""
+    engine = getattr(handle, "engine", None)
+    if engine is None:
+        return {"forward_held_bytes": None, "backward_held_bytes": None, "keep_last": None}
+    st = engine.stats
+    return {"forward_held_bytes": int(st.most_forward_device_bytes),
+            "backward_held_bytes": int(st.most_backward_device_bytes),
+            "keep_last": int(engine.keep_last)}
+
+
 def _effect(handle: Any, steps: int) -> tuple[int | None, int | None]:
     """What the runtime counted: bytes its engine offloaded in the last step, and checkpointed
     modules run again per backward (the counters cover every step under the policy)."""
@@ -371,6 +383,7 @@ def measure_here(
         grads = _grad_diffs(plain, ours)
         pinned, pageable = _host_bytes(handle, pool_before)
         offloaded, recomputes = _effect(handle, steps)
+        held = _held(handle)
     finally:
         handle.remove()
     return Measurements(
@@ -386,6 +399,7 @@ def measure_here(
         host_pageable_bytes=pageable,
         offloaded_bytes=offloaded,
         recomputes=recomputes,
+        **held,
     )
 
 

@@ -89,6 +89,14 @@ class Measurements:
     """Page-locked host memory the policy used for offloading (None: not measurable)."""
     host_pageable_bytes: int | None = None
     """Pageable host memory the policy used for offloading (None: not measurable)."""
+    backward_held_bytes: int | None = None
+    """Most bytes of offloaded activations the offload engine held on the GPU at once in the
+    policy's last backward (its own count, `OffloadStats.most_backward_device_bytes`; None:
+    actcfg's engine did not run)."""
+    forward_held_bytes: int | None = None
+    """The same in the last forward (the open group and the copies in flight)."""
+    keep_last: int | None = None
+    """The engine's `keep_last` (None: actcfg's engine did not run)."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,135 @@
+"""The cost model: a `Profile` from the byte counts and the uniform runs the profile measured.
+
+Each block's options (see `actcfg.plan.model.Option`) are the measured peaks less what the blocks
+before it hold, and the recompute and the rest each choice's uniform run took beyond the model
+(`actcfg.plan.solve.predict`), spread over its blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from actcfg.plan.model import CHOICES, COUNTERPART, BlockProfile, Option, Profile
+from actcfg.plan.probe import StepReading
+from actcfg.plan.solve import predict, uniform_copies
+
+__all__ = ["MIN_EXTRA_MS", "Run", "assemble"]
+
+MIN_EXTRA_MS = 1e-6
+"""Every choice but keep costs at least this: a measured recompute of 0 (noise) must not make
+checkpointing look free, or a plan would checkpoint what fits anyway."""
+
+
+@dataclass
+class Run:
+    """One uniform run: what the probe read, and the bytes the engine moved per block."""
+
+    step: StepReading
+    moved: list[int]
+
+
+def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run], device: str,
+              d2h: float, h2d: float, notes: list[str]) -> Profile:
+    """The profile from the byte counts and the uniform runs (see `Option` for each term)."""
+    n = len(names)
+    cuda = device == "cuda"
+    estimated_keep = "keep" not in runs
+    ref = runs["keep"] if not estimated_keep else runs["full"]
+    forward_ms = list(ref.step.forward_ms)
+    backward_ms = list(ref.step.backward_ms)
+    if estimated_keep:  # a full recompute is one forward: the plain backward is the rest
+        backward_ms = [max(0.0, g - f) for g, f in zip(backward_ms, forward_ms)]
+    moved = {c: runs[c].moved if c in runs else [0] * n for c in CHOICES}
+    hold: dict[str, list[int]] = {"keep": held["keep"]}
+    for c in ("full", "selective"):
+        if c in held:
+            hold[c] = held[c]
+    if "full" in hold:
+        hold["full_offload"] = [max(0, h - m) for h, m in zip(hold["full"], moved["full_offload"])]
+    hold["offload"] = [max(0, h - m) for h, m in zip(hold["keep"], moved["offload"])]
+    usable = [c for c in CHOICES if c in hold and (c in runs or (c == "keep" and estimated_keep))]
+
+    def before(c: str, b: int) -> int:
+        return sum(hold[c][:b])
+
+    # What the model adds above the blocks' held bytes for each uniform run (copies in flight,
+    # reloads), from solve's own terms: measured minus these is what each option records.
+    copies_only = Profile(
+        blocks=tuple(BlockProfile(name, f, 0.0, {c: Option(held=0, moved=moved[c][b]) for c in CHOICES})
+                     for b, (name, f) in enumerate(zip(names, forward_ms))),
+        plain_step_ms=0.0, plain_peak=0, turn_peak=0, forward_after_ms=0.0, backward_before_ms=0.0,
+        d2h_gbps=d2h, h2d_gbps=h2d, device=device)
+    copies = {c: uniform_copies(copies_only, c) for c in CHOICES}
+
+    options: list[dict[str, Option]] = [{} for _ in range(n)]
+    for c in usable:
+        ran = c if c in runs else "full"  # keep, estimated from full when it did not fit
+        source = runs[ran]
+        for b in range(n):
+            if cuda:
+                fwd = source.step.forward_peak[b] - before(ran, b) - copies[ran][0][b]
+                bwd = source.step.backward_peak[b] - before(ran, b) - copies[ran][1][b]
+                if ran != c:
+                    fwd += hold["keep"][b] - hold["full"][b]
+            else:  # counted, not measured: a block's activations while it runs, and again in backward
+                fwd = hold["keep"][b]
+                bwd = hold["keep"][b] + hold[c][b] + moved[c][b]
+            if c in ("full", "selective", "full_offload"):
+                rec_run = runs.get("full" if c == "full_offload" else c)
+                recompute = max(0.0, rec_run.step.backward_ms[b] - backward_ms[b]) if rec_run else 0.0
+            else:
+                recompute = 0.0
+            options[b][c] = Option(held=hold[c][b], moved=moved[c][b], forward_peak=max(0, fwd),
+                                   backward_peak=max(0, bwd), recompute_ms=recompute, extra_ms=recompute)
+    turn_peaks = [r.step.turn_peak - sum(hold[c]) - copies[c][2]
+                  for c, r in runs.items() if c in hold] if cuda else [0]
+    measured = {c: {"step_ms": r.step.step_ms, "peak": r.step.peak} for c, r in runs.items()}
+    plain_ms = ref.step.step_ms if not estimated_keep else ref.step.step_ms - sum(
+        o["full"].recompute_ms for o in options)
+    base = Profile(
+        blocks=tuple(BlockProfile(name, f, g, opts)
+                     for name, f, g, opts in zip(names, forward_ms, backward_ms, options)),
+        plain_step_ms=plain_ms,
+        plain_peak=0,
+        turn_peak=max(0, max(turn_peaks)),
+        forward_after_ms=ref.step.forward_after_ms,
+        backward_before_ms=ref.step.backward_before_ms,
+        outside_peak=max(r.step.outside_peak for r in runs.values()) if cuda else 0,
+        d2h_gbps=d2h, h2d_gbps=h2d, device=device, measured=measured,
+        notes=tuple(notes) + (() if cuda else (
+            "memory on the CPU is counted from saved tensors, not measured: peaks are estimates",)),
+    )
+    # Each choice's uniform run, beyond what the model predicts for it, is spread over its blocks
+    # (copy and compute contending, hooks, kernels a checkpoint changes): uniform plans then
+    # predict what was measured, and mixed plans interpolate.
+    for c in usable:
+        if c not in runs or c == "keep":
+            continue
+        extra = (runs[c].step.step_ms - predict(base, (c,) * n, 1)[0]) / n
+        for b in range(n):
+            o = options[b][c]
+            options[b][c] = Option(o.held, o.moved, o.forward_peak, o.backward_peak, o.recompute_ms,
+                                   o.recompute_ms + extra)
+    for b in range(n):
+        for c in list(options[b]):
+            o = options[b][c]
+            floor = 0.0 if c == "keep" else MIN_EXTRA_MS
+            twin = COUNTERPART.get(c)
+            if twin in options[b]:  # an offload never costs less than its on-device twin
+                floor = max(floor, options[b][twin].extra_ms + MIN_EXTRA_MS)
+            if o.extra_ms < floor:
+                options[b][c] = Option(o.held, o.moved, o.forward_peak, o.backward_peak, o.recompute_ms, floor)
+    out = Profile(
+        blocks=tuple(BlockProfile(name, f, g, opts)
+                     for name, f, g, opts in zip(names, forward_ms, backward_ms, options)),
+        plain_step_ms=base.plain_step_ms, plain_peak=0, turn_peak=base.turn_peak,
+        forward_after_ms=base.forward_after_ms, backward_before_ms=base.backward_before_ms,
+        outside_peak=base.outside_peak,
+        d2h_gbps=d2h, h2d_gbps=h2d, device=device, measured=measured, notes=base.notes,
+    )
+    plain_peak = int(runs["keep"].step.peak) if not estimated_keep and cuda else predict(out, ("keep",) * n)[1]
+    return Profile(blocks=out.blocks, plain_step_ms=out.plain_step_ms, plain_peak=plain_peak,
+                   turn_peak=out.turn_peak, forward_after_ms=out.forward_after_ms,
+                   backward_before_ms=out.backward_before_ms, outside_peak=out.outside_peak,
+                   d2h_gbps=d2h, h2d_gbps=h2d,
+                   device=device, measured=measured, notes=out.notes)

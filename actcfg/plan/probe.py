@@ -1,0 +1,266 @@
+"""The probe: where a training step spends time and memory, block by block.
+
+Forward and backward hooks on each candidate block record CUDA events and `torch.cuda` memory
+statistics at its boundaries (its forward; its backward, from the gradient of its output to the
+gradient of its input; the turn between the last forward and the first backward); on the CPU,
+wall-clock times and no memory. Also the copy bandwidth each way, pinned.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from actcfg.errors import PlanError
+
+__all__ = ["Meter", "Probe", "StepReading", "copy_bandwidth", "first_grad_tensor"]
+
+
+def first_grad_tensor(value: Any) -> torch.Tensor | None:
+    for t in tree_flatten(value)[0]:
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
+            return t
+    return None
+
+
+# --- clocks and memory: CUDA events and allocator statistics, or wall-clock on the CPU ----------
+
+
+class Meter:
+    """Times and memory of one device: CUDA events and `torch.cuda` statistics, or, on the CPU,
+    wall-clock times and no memory (every reading 0)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.base = 0
+        self.step_peak = 0
+
+    def tick(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def ms(self, start: Any, end: Any) -> float:
+        if start is None or end is None:
+            return 0.0
+        if self.cuda:
+            return float(start.elapsed_time(end))
+        return (end - start) * 1000.0
+
+    def begin(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        self.step_peak = 0
+
+    def now(self) -> int:
+        return torch.cuda.memory_allocated() - self.base if self.cuda else 0
+
+    def peak_and_reset(self) -> int:
+        """The peak since the last reset (above the step's start); starts a new span."""
+        if not self.cuda:
+            return 0
+        peak = torch.cuda.max_memory_allocated() - self.base
+        self.step_peak = max(self.step_peak, peak)
+        torch.cuda.reset_peak_memory_stats()
+        return peak
+
+    def end(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+@dataclass
+class StepReading:
+    """What one step measured, per candidate block (times in ms, bytes above the step's start)."""
+
+    n: int
+    forward_ms: list[float] = field(default_factory=list)
+    backward_ms: list[float] = field(default_factory=list)
+    forward_peak: list[int] = field(default_factory=list)
+    backward_peak: list[int] = field(default_factory=list)
+    step_ms: float = 0.0
+    peak: int = 0
+    turn_peak: int = 0
+    outside_peak: int = 0
+    forward_after_ms: float = 0.0
+    backward_before_ms: float = 0.0
+
+
+class Probe:
+    """Hooks on the candidate blocks that mark their forward and backward in time and memory.
+
+    A block's backward runs from the gradient of its output to the gradient of its input; where
+    one block's input is the block before's output, both marks are one tensor hook, which ends
+    the block above before it starts the one below. A block whose input needs no gradient (the
+    first, fed the raw batch) ends when the next backward mark or the step's end comes.
+    """
+
+    def __init__(self, modules: Sequence[nn.Module], meter: Meter) -> None:
+        self.meter = meter
+        self.n = len(modules)
+        self.recording = False
+        self.handles = []
+        for i, module in enumerate(modules):
+            self.handles.append(module.register_forward_pre_hook(self._pre(i), with_kwargs=True))
+            self.handles.append(module.register_forward_hook(self._post(i)))
+        self._reset()
+
+    def _reset(self) -> None:
+        n = self.n
+        self.fwd_start: list[Any] = [None] * n
+        self.fwd_end: list[Any] = [None] * n
+        self.bwd_start: list[Any] = [None] * n
+        self.bwd_end: list[Any] = [None] * n
+        self.fwd_peak = [0] * n
+        self.bwd_peak = [0] * n
+        self.turn_peak = 0
+        self.head_peak = 0
+        self.open: int | None = None  # block whose backward is running
+        self.marks: dict[int, tuple[list[int], list[int], weakref.ref[torch.Tensor]]] = {}
+        self.turn_open = False
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def _boundary(self, tensor: torch.Tensor) -> tuple[list[int], list[int]]:
+        key = id(tensor)
+        mark = self.marks.get(key)
+        if mark is None or mark[2]() is not tensor:  # new, or an id a dead tensor left behind
+            ends: list[int] = []
+            starts: list[int] = []
+            # Weakly: holding the block inputs would keep on the GPU what an offload choice
+            # moves, and its measured peaks would not be its own (on an H200 the probe made
+            # checkpoint + offload look one block input per block above checkpointing alone).
+            mark = self.marks[key] = (ends, starts, weakref.ref(tensor))
+            tensor.register_hook(lambda grad, e=ends, s=starts: self._backward_mark(e, s))
+        return mark[0], mark[1]
+
+    def _pre(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            if not self.recording or self.fwd_start[i] is not None:
+                return
+            before = self.meter.peak_and_reset()
+            if i == 0:
+                self.head_peak = before  # what ran before the first block
+            self.fwd_start[i] = self.meter.tick()
+            t = first_grad_tensor((args, kwargs))
+            if t is not None:
+                self._boundary(t)[0].append(i)
+        return hook
+
+    def _post(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not self.recording or self.fwd_end[i] is not None:
+                return
+            self.fwd_end[i] = self.meter.tick()
+            self.fwd_peak[i] = self.meter.peak_and_reset()
+            self.turn_open = i == self.n - 1  # from here to the first backward mark: the turn
+            t = first_grad_tensor(output)
+            if t is not None:
+                self._boundary(t)[1].append(i)
+        return hook
+
+    def _end(self, i: int) -> None:
+        if self.bwd_start[i] is None or self.bwd_end[i] is not None:
+            return
+        self.bwd_end[i] = self.meter.tick()
+        self.bwd_peak[i] = self.meter.peak_and_reset()
+        if self.open == i:
+            self.open = None
+
+    def _backward_mark(self, ends: list[int], starts: list[int]) -> None:
+        if not self.recording:
+            return
+        for i in ends:
+            self._end(i)
+        for i in starts:
+            if self.bwd_start[i] is not None:
+                continue
+            if self.open is not None:
+                self._end(self.open)  # its input needed no gradient: it ends where the next begins
+            if self.turn_open:
+                self.turn_peak = self.meter.peak_and_reset()
+                self.turn_open = False
+            else:
+                self.meter.peak_and_reset()
+            self.bwd_start[i] = self.meter.tick()
+            self.open = i
+
+    def step(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+             loss_fn: Callable[[Any], torch.Tensor]) -> StepReading:
+        meter = self.meter
+        model.zero_grad(set_to_none=True)
+        self._reset()
+        meter.begin()
+        self.recording = True
+        try:
+            start = meter.tick()
+            output = model(*args, **kwargs)
+            loss = loss_fn(output)
+            after = meter.tick()
+            backward = meter.tick()
+            loss.backward()
+            if self.open is not None:
+                self._end(self.open)
+            done = meter.tick()
+            tail = meter.peak_and_reset()  # after the last backward mark: the rest of backward
+        finally:
+            self.recording = False
+        del output, loss
+        meter.end()
+        self.marks.clear()
+        missing = [i for i in range(self.n) if self.fwd_start[i] is None or self.bwd_start[i] is None]
+        if missing:
+            raise PlanError(f"candidate module {missing[0]} (in forward order) was not called in a "
+                            "training step, or its output needed no gradient: the profile cannot "
+                            "measure it; plan over modules the forward calls")
+        last = self.n - 1
+        return StepReading(
+            n=self.n,
+            forward_ms=[meter.ms(a, b) for a, b in zip(self.fwd_start, self.fwd_end)],
+            backward_ms=[meter.ms(a, b) for a, b in zip(self.bwd_start, self.bwd_end)],
+            forward_peak=list(self.fwd_peak),
+            backward_peak=list(self.bwd_peak),
+            step_ms=meter.ms(start, done),
+            peak=meter.step_peak,
+            turn_peak=self.turn_peak,
+            outside_peak=max(self.head_peak, tail),
+            forward_after_ms=meter.ms(self.fwd_end[last], after),
+            backward_before_ms=meter.ms(backward, self.bwd_start[last]),
+        )
+
+
+# --- bandwidth --------------------------------------------------------------------------------
+
+
+def copy_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> tuple[float, float]:
+    """(to host, to device) GB/s of one pinned copy of `nbytes`, the median of `repeats` after
+    one warm-up, on the current CUDA device."""
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    out = []
+    for dst, src in ((host, gpu), (gpu, host)):
+        times = []
+        for _ in range(repeats + 1):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        out.append(nbytes / (statistics.median(times[1:]) * 1e6))
+    del gpu, host
+    return out[0], out[1]

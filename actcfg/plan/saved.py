@@ -1,0 +1,110 @@
+"""Byte counting: what autograd saves inside each candidate block's forward.
+
+Saved-tensor hooks count the storages saved inside each module's forward (its first call; each
+storage once); for selective checkpointing, a dispatch mode counts the outputs of the ops it
+saves. Which saved tensors count is the offload engine's own test (`actcfg.runtime.offload.stays`):
+the bytes counted are the bytes an offload would move.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from actcfg.runtime.offload import stays
+
+__all__ = ["counted", "saved_bytes"]
+
+
+def counted(tensor: torch.Tensor) -> bool:
+    """A saved tensor that is an activation: one the offload engine would consider moving
+    (its own test, on the tensor's own device; buffers are not told apart here)."""
+    return stays(tensor, tensor.device, set()) is None
+
+
+class _Attribution:
+    """Which candidate's forward is running (first call only), for the byte counts."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self.current: int | None = None
+        self.seen: set[int] = set()
+        self.handles = []
+        for i, module in enumerate(modules):
+            self.handles.append(module.register_forward_pre_hook(self._enter(i)))
+            self.handles.append(module.register_forward_hook(self._leave(i)))
+
+    def _enter(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if i not in self.seen:
+                self.seen.add(i)
+                self.current = i
+        return hook
+
+    def _leave(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self.current == i:
+                self.current = None
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class _OpOutputs(TorchDispatchMode):
+    """Adds the storage bytes of every output of `ops` to the running candidate's count."""
+
+    def __init__(self, ops: set[Any], where: _Attribution, out: list[int], seen: set[int]) -> None:
+        super().__init__()
+        self.ops, self.where, self.out, self.seen = ops, where, out, seen
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        i = self.where.current
+        if i is not None and (func in self.ops or getattr(func, "overloadpacket", None) in self.ops):
+            for t in tree_flatten(result)[0]:
+                if isinstance(t, torch.Tensor):
+                    storage = t.untyped_storage()
+                    if storage.nbytes() and storage.data_ptr() not in self.seen:
+                        self.seen.add(storage.data_ptr())
+                        self.out[i] += storage.nbytes()
+        return result
+
+
+def saved_bytes(model: nn.Module, modules: Sequence[nn.Module], args: tuple[Any, ...],
+                kwargs: dict[str, Any], save_ops: Sequence[Any] = ()) -> list[int]:
+    """Bytes of the storages autograd saves inside each module's forward (its first call; each
+    storage counted once, parameters and leaves that require grad left out); with `save_ops`,
+    the bytes of those ops' outputs there instead (what selective checkpointing keeps besides
+    the inputs: up to torch 2.13 they bypass saved-tensor hooks). One forward, graph dropped."""
+    where = _Attribution(modules)
+    out = [0] * len(modules)
+    seen: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        i = where.current
+        if i is not None and not save_ops and counted(t):
+            storage = t.untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                out[i] += storage.nbytes()
+        # Never `t` itself: an op that saves its own output (tanh, gelu, sdpa) would then hold
+        # that output through its own grad_fn, a cycle inside autograd's C++ that gc cannot
+        # see, and this forward (never followed by backward) would keep everything it saved.
+        return t.detach()
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            mode = _OpOutputs(set(save_ops), where, out, seen) if save_ops else contextlib.nullcontext()
+            with mode:
+                result = model(*args, **kwargs)
+        del result
+    finally:
+        where.remove()
+    return out

@@ -1,0 +1,169 @@
+"""The engine's memory discipline, counted: what it holds on the device at once (its own count,
+`OffloadStats.device_bytes` and the forward/backward high-water marks) against what the schedule
+allows, on the CPU through the host loopback (every decision is the engine's own; a loopback copy
+is done when launched, so a group is given back at the next pack or boundary); and the verify
+verdict that fails a checkpoint + cpu_checkpointing policy holding more block inputs in
+backward than `keep_last + 1`."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from actcfg.runtime.offload import OffloadEngine, host_loopback
+from actcfg.api import apply
+from actcfg.policy.schema import Policy
+from actcfg.verification import GradDiff, Measurements, RunMeasurement, judge
+from actcfg.verification.models import blocks
+
+N = 8
+
+
+def _stack():
+    torch.manual_seed(0)
+    # one block input: 4 x 512 x 128 fp32 = 1 MiB, the engine's min_offload_bytes
+    model, x = blocks(n=N, d_model=128, heads=2, ffn=256, batch=4, seq=512, dtype=torch.float32,
+                      device="cpu")
+    return model, x.requires_grad_(True)  # the input is the caller's (a leaf): it stays
+
+
+def _steps(model, x, cfg, steps=2):
+    with host_loopback(), apply(model, cfg) as handle:
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+        return handle.engine.stats
+
+
+def test_checkpoint_and_cpu_offload_hold_one_input_forward_and_two_backward():
+    """Checkpointed blocks with their inputs offloaded: in forward the engine holds the open
+    group only (the copy before it is done, and given back, by the next pack); at the turn the
+    last block's input; in backward the input in use and the one being prefetched; after
+    the step nothing."""
+    model, x = _stack()
+    one = x.numel() * x.element_size()
+    st = _steps(model, x, {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]},
+                           "cpu_checkpointing": True})
+    assert st.offloaded_bytes == (N - 2) * one == st.reloaded_bytes  # not the leaf input, nor the last
+    assert st.kept_bytes == one  # the last block's input, kept for backward
+    assert st.most_forward_device_bytes == one
+    assert st.most_backward_device_bytes == 2 * one
+    assert st.device_bytes == 0
+
+
+def test_the_callers_batch_stays_where_it_is():
+    """The model's input, needing no gradient, is saved by the first checkpointed block: its
+    owner holds it for the whole step, so moving it would free nothing, and reloading it would
+    add a block input to backward where the first block runs (on the H200 stack, the peak)."""
+    model, x = _stack()
+    x = x.detach()
+    one = x.numel() * x.element_size()
+    st = _steps(model, x, {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]},
+                           "cpu_checkpointing": True})
+    assert st.kept_bytes_by_reason == {"input": one}
+    assert st.offloaded_bytes == (N - 2) * one == st.reloaded_bytes
+    assert st.most_backward_device_bytes == 2 * one
+
+
+def test_offloading_every_block_holds_the_group_in_use_and_the_one_prefetched():
+    """Every block's activations offloaded (no checkpoint): forward holds the open group alone,
+    backward the group in use and the one reloading below it, never the whole stack."""
+    model, x = _stack()
+    st = _steps(model, x, {"version": 1, "cpu_checkpointing": True})
+    per_group = [b for b in st.group_offloaded_bytes if b]
+    largest = max(per_group)
+    assert len(per_group) == N - 1  # the last block stays for backward (keep_last 1)
+    assert st.most_forward_device_bytes <= largest
+    assert st.most_backward_device_bytes <= 2 * largest
+    assert st.device_bytes == 0
+
+
+def test_a_forward_without_backward_gives_its_device_bytes_back_when_the_graph_dies():
+    model, x = _stack()
+    with host_loopback(), apply(model, {"version": 1, "cpu_checkpointing": True}) as handle:
+        out = model(x)
+        assert handle.engine.stats.device_bytes > 0  # the last group waits for backward
+        del out
+        assert handle.engine.stats.device_bytes == 0
+
+
+def test_while_copies_run_forward_holds_the_group_just_finished_and_max_inflight_in_flight():
+    """Copies never finish by themselves here (a GPU copy still running), each group saves 4
+    storages. Read at each boundary, before the next group's copy is launched: the device holds
+    the group just finished and `max_inflight` groups in flight, every step the same; the
+    engine's forward high-water mark (at the turn: the last group, which stays, and the copies
+    in flight) says the same."""
+    for max_inflight in (1, 2):
+        with host_loopback():
+            engine = OffloadEngine(pin=False, min_offload_bytes=0, keep_last=1,
+                                   max_inflight=max_inflight, device="cpu")
+
+            class Pending:  # an event that never completes until waited for
+                def query(self):
+                    return False
+
+            engine._copies.d2h.record_event = Pending  # type: ignore[method-assign]
+            x = torch.randn(256, requires_grad=True)
+            group = 4 * 256 * 4
+            for _ in range(2):
+                at_boundaries = []
+                with engine.step():
+                    h = x
+                    for _ in range(6):
+                        at_boundaries.append(engine.stats.device_bytes)
+                        engine.mark_group()
+                        for _ in range(4):
+                            h = (h * 1.0).exp()  # exp saves its output: one storage each
+                    out = h.sum()
+                assert max(at_boundaries) == (1 + max_inflight) * group
+                assert engine.stats.most_forward_device_bytes == (1 + max_inflight) * group
+                out.backward()
+                assert engine.stats.device_bytes == 0
+
+
+# --- the verdict ---------------------------------------------------------------------------------
+
+
+B = 64 * 2**20
+OFFLOAD = Policy.model_validate({"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]},
+                                 "cpu_checkpointing": True})
+FLAT = (B, *(2 * B,) * 7)
+
+
+def _measured(**kw) -> Measurements:
+    return Measurements(
+        blocks=tuple(str(i) for i in range(8)), block_input_bytes=B,
+        plain=RunMeasurement(tuple(B * (i + 1) for i in range(8)), 12 * B, 0.1),
+        policy=RunMeasurement(FLAT, 4 * B, 0.1),
+        grads=(GradDiff("w", 0.0),), dtype="bfloat16", offloaded_bytes=6 * B,
+        forward_held_bytes=2 * B, backward_held_bytes=2 * B, keep_last=1, **kw)
+
+
+def _held(m: Measurements):
+    (v,) = [v for v in judge(OFFLOAD, m) if v.promise == "held inputs"]
+    return v
+
+
+def test_verify_passes_two_inputs_held_in_backward_and_says_what_the_schedule_allows():
+    v = _held(_measured())
+    assert v.ok
+    assert v.message.startswith("backward held 2.0 block inputs on the GPU at most, against the 2 "
+                                "the schedule allows (keep_last 1")
+    assert "forward held 2.0 at most" in v.message
+
+
+@pytest.mark.parametrize(("keep_last", "held", "ok"), [(1, 3, False), (2, 3, True), (0, 2, True), (2, 4, False)])
+def test_verify_fails_more_inputs_in_backward_than_keep_last_plus_one(keep_last, held, ok):
+    v = _held(replace(_measured(), keep_last=keep_last, backward_held_bytes=held * B))
+    assert v.ok is ok, v.message
+    if not ok:
+        assert v.message.startswith(f"cpu_checkpointing is on but backward held {held}.0 block inputs")
+
+
+def test_no_held_verdict_without_the_engine_or_without_checkpointing():
+    assert not [v for v in judge(OFFLOAD, replace(_measured(), backward_held_bytes=None, keep_last=None))
+                if v.promise == "held inputs"]
+    everything = Policy.model_validate({"version": 1, "cpu_checkpointing": True})
+    assert not [v for v in judge(everything, _measured()) if v.promise == "held inputs"]
