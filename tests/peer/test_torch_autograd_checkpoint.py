@@ -65,7 +65,10 @@ def test_checkpointing(route, request):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("route", params(("full", "reentrant", "selective")))
+# Not the selective route, on purpose: actcfg's selective checkpointing saves every matmul's
+# output (save_ops' default), and this model is nothing but Linear layers, so it has nothing to
+# recompute and saves what plain saves (docs/peer-differences.md).
+@pytest.mark.parametrize("route", params(("full", "reentrant")))
 def test_checkpointing_without_reentrant_memory_savings(route, request):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
