@@ -185,7 +185,9 @@ def test_four_ranks_never_pin_more_than_the_node_budget_together(tmp_path):
     assert sum(r["fallbacks"] for r in ranks) > 0  # and what did not fit went pageable
     for rank, r in enumerate(ranks):
         assert r["offloaded"] == ranks[0]["offloaded"] > 0  # every rank offloaded all the same
-        assert r["pinned"] + r["pageable"] >= need
+        # the host holds a whole step's offloads at the turn, pinned or not (how many spare
+        # buffers the pool prepared on top depends on its thread's timing)
+        assert r["pinned"] + r["pageable"] >= r["offloaded"]
         if r["fallbacks"]:
             assert any("pin_budget_per_node" in w and "Raise `pin_budget_per_node`" in w
                        for w in r["warned"]), r["warned"]

@@ -38,13 +38,13 @@ def _layers_step(engine: OffloadEngine, x: torch.Tensor, n: int) -> OffloadStats
 def made_on(monkeypatch):
     """The thread each new host buffer is made on, in order (the pool's own allocator, watched)."""
     threads: list[str] = []
-    touched = offload._touched
+    touched = offload_pool._touched
 
     def watched(nbytes: int) -> torch.Tensor:
         threads.append(threading.current_thread().name)
         return touched(nbytes)
 
-    monkeypatch.setattr(offload, "_touched", watched)
+    monkeypatch.setattr(offload_pool, "_touched", watched)
     return threads
 
 
