@@ -28,7 +28,11 @@ MEASURED = "actcfg: after the first step: 3 checkpointed forwards, 3 recomputed 
 
 
 def run(script: str, out: Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("TRANSFORMERS_VERBOSITY", "PYTHONWARNINGS")}
+    # A run as a user starts it: not inside the process group another test left in this
+    # environment (the DeepSpeed fixture's MASTER_PORT would make accelerate join it).
+    dropped = ("TRANSFORMERS_VERBOSITY", "PYTHONWARNINGS", "MASTER_ADDR", "MASTER_PORT", "RANK",
+               "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env["PYTHONPATH"] = str(ROOT)
     done = subprocess.run([sys.executable, str(RUNS / script), str(out)], env=env, cwd=out.parent,
                           capture_output=True, text=True, timeout=900)
