@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+import actcfg
 from actcfg.errors import PlanError
 from actcfg.plan import CHOICES, OFFLOADS, BlockProfile, Option, Profile, predict, smallest_peak, solve
 from actcfg.plan.model import COUNTERPART
@@ -208,16 +209,52 @@ def test_the_written_plan_is_a_valid_rules_policy_with_every_block_named():
     assert policy.checkpoint.mode == "rules"
     named = {n: r for r in policy.checkpoint.rules for n in r.modules}
     assert sorted(named) == sorted(b.name for b in profile.blocks)
-    from actcfg.plan.model import RULE_OF
+    from actcfg.plan.model import CHOICE_OF
 
     for block, choice in zip(plan.blocks, plan.choices):
         rule = named[block]
-        assert {"mode": rule.mode, **({"cpu_checkpointing": True} if rule.cpu_checkpointing else {})} == RULE_OF[choice]
+        assert (rule.mode, rule.cpu_checkpointing) == (CHOICE_OF[choice].mode, CHOICE_OF[choice].offload)
     assert policy.checkpoint.predicted.step_time_ms == pytest.approx(plan.step_ms, abs=0.05)
     assert 0 <= policy.checkpoint.predicted.peak - plan.peak < 2**20
     offloads = any(c in OFFLOADS for c in plan.choices)
     assert (policy.pin_budget == 2 * 2**30) is offloads
     assert text.startswith("# Written by actcfg plan from configs/x.yaml: the fastest per-module choices")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_plan_policy_is_built_directly_and_its_text_loads_back_to_it(seed):
+    """The Policy a plan is applied as is built without YAML; the text written for `-o` loads
+    back to an equal Policy, with the same fields set explicitly (a backend written is a backend
+    chosen, for the integrations)."""
+    from actcfg.plan.write import plan_policy, policy_yaml
+
+    profile = _random_profile(seed, 5)
+    lowest, top = smallest_peak(profile), predict(profile, ("keep",) * 5)[1]
+    plan = solve(profile, lowest + (top - lowest) * (seed % 3) // 3)
+    source = Policy.model_validate({"version": 1, "checkpoint": {"mode": "auto", "modules": ["Block"]},
+                                    "memory_budget": plan.budget, "pin": seed % 2 == 0,
+                                    "pin_budget": "2GiB", "pin_budget_per_node": "8GiB"})
+    built = plan_policy(plan, source)
+    loaded = actcfg.load(policy_yaml(built, plan, profile))
+    assert loaded == built
+    assert loaded.model_dump(exclude_unset=True) == built.model_dump(exclude_unset=True)
+    assert [r.model_fields_set for r in loaded.checkpoint.rules] == \
+        [r.model_fields_set for r in built.checkpoint.rules]
+    assert built.checkpoint.predicted.peak >= plan.peak
+    offloads = any(c in OFFLOADS for c in plan.choices)
+    assert (built.pin_budget_per_node == 8 * 2**30) is offloads
+
+
+def test_every_choice_is_one_row_of_the_table():
+    """Names, offloads, twins and rules all come from CHOICE_TABLE."""
+    from actcfg.plan.model import CHOICE_TABLE
+
+    assert CHOICES == ("keep", "selective", "full", "full_offload", "offload")
+    assert OFFLOADS == {"full_offload", "offload"} and COUNTERPART == {"full_offload": "full", "offload": "keep"}
+    rules = {c.name: c.rule(("m",)) for c in CHOICE_TABLE}
+    assert {n: (r.mode, r.cpu_checkpointing) for n, r in rules.items()} == {
+        "keep": ("none", False), "selective": ("selective", False), "full": ("full", False),
+        "full_offload": ("full", True), "offload": ("none", True)}
 
 
 def test_solve_imports_no_torch():
