@@ -245,6 +245,25 @@ def test_the_plan_policy_is_built_directly_and_its_text_loads_back_to_it(seed):
     assert (built.pin_budget_per_node == 8 * 2**30) is offloads
 
 
+def test_the_report_and_the_cli_json_come_from_the_plan():
+    """`Plan.report` is the one place a plan becomes a PlanReport, and `plan_json` the one
+    place its JSON for `actcfg plan --format json` is made (the keys as the command wrote them)."""
+    plan = solve(HAND, 60)
+    report = plan.report(HAND, "version: 1\n")
+    assert report.choices == tuple(zip(plan.blocks, plan.choices))
+    assert (report.memory_budget, report.predicted_peak, report.predicted_step_time_ms) == \
+        (plan.budget, plan.peak, plan.step_ms)
+    assert (report.plain_step_time_ms, report.plain_peak, report.device) == \
+        (HAND.plain_step_ms, HAND.plain_peak, HAND.device)
+    assert report.plan_json() == {
+        "memory_budget": 60, "choices": plan.to_json()["blocks"],
+        "max_inflight": plan.max_inflight, "kept_at_turn": plan.kept_at_turn,
+        "predicted": {"step_time_ms": plan.step_ms, "peak": plan.peak},
+        "plain": {"step_time_ms": HAND.plain_step_ms, "peak": HAND.plain_peak},
+        "plan": "version: 1\n"}
+    assert report.to_json()["choices"] == plan.to_json()["blocks"]
+
+
 def test_every_choice_is_one_row_of_the_table():
     """Names, offloads, twins and rules all come from CHOICE_TABLE."""
     from actcfg.plan.model import CHOICE_TABLE

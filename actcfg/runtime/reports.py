@@ -154,13 +154,14 @@ class RuleReport:
 @dataclass(frozen=True)
 class PlanReport:
     """What `checkpoint.mode: auto` planned: the choice per candidate module, what the plan
-    predicted, and the rules policy that was applied (the same `actcfg plan` would write)."""
+    predicted, and the rules policy that was applied (the same `actcfg plan` would write).
+    Made by `actcfg.plan.Plan.report`, the one place a plan's fields become these."""
 
     memory_budget: int
     """The budget planned for, in bytes of GPU memory above a step's start."""
     choices: tuple[tuple[str, str], ...]
-    """(module, choice) for every candidate module in forward order; a choice is one of
-    `keep`, `selective`, `full`, `full_offload`, `offload`."""
+    """(module, choice) for every candidate module in forward order; a choice is a name of
+    `actcfg.plan.CHOICE_TABLE`."""
     predicted_step_time_ms: float
     """Predicted time of one training step under the plan."""
     predicted_peak: int
