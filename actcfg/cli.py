@@ -850,14 +850,9 @@ def _plan_here(args: argparse.Namespace, write: bool = True) -> int:
         import json
 
         body = {
-            "ok": ok, "config": args.config, "memory_budget": budget, "written": args.output,
-            "choices": [{"module": m, "choice": c} for m, c in report.choices],
-            "max_inflight": report.max_inflight, "kept_at_turn": report.kept_at_turn,
-            "predicted": {"step_time_ms": report.predicted_step_time_ms, "peak": report.predicted_peak},
+            "ok": ok, "config": args.config, "written": args.output, **report.plan_json(),
             "measured": {"step_time_ms": step_ms, "peak": peak, "steps": args.steps},
-            "plain": {"step_time_ms": report.plain_step_time_ms, "peak": report.plain_peak},
-            "plan": report.policy_yaml, "profile": planned.profile.to_json(),
-            "copy_windows": planned.profile.copy_windows(),
+            "profile": planned.profile.to_json(), "copy_windows": planned.profile.copy_windows(),
         }
         _out(json.dumps(body, indent=2) + "\n")
     else:
@@ -885,6 +880,7 @@ def _build(factory: Callable[[], Any], spec: str) -> tuple[Any, Any]:
 def _render_plan(args: argparse.Namespace, planned: Any, step_ms: float, peak: int, ok: bool) -> str:
     report, budget = planned.report, planned.plan.budget
 
+    from actcfg.plan import OFFLOADS
     from actcfg.runtime.reports import memory_size
 
     def off(measured: float, predicted: float) -> str:
@@ -901,7 +897,7 @@ def _render_plan(args: argparse.Namespace, planned: Any, step_ms: float, peak: i
         f"peak       predicted {memory_size(report.predicted_peak)}, measured {memory_size(peak)} "
         f"(prediction {off(peak, report.predicted_peak)})",
         f"plain      {report.plain_step_time_ms:.1f} ms, {memory_size(report.plain_peak)}",
-        ("offload    none" if not any(c in ("offload", "full_offload") for _, c in report.choices) else
+        ("offload    none" if not any(c in OFFLOADS for _, c in report.choices) else
          f"offload    max_inflight {report.max_inflight}; {report.kept_at_turn} modules after the "
          "last offloaded one stay on the GPU at the turn"),
         "",

@@ -141,12 +141,12 @@ def test_apply_auto_profiles_plans_logs_one_line_and_applies_the_rules(loopback,
     assert handle.policy.checkpoint.mode == "auto"  # what the user gave; the plan is in handle.plan
     applied = {r.modules[0] if len(r.modules) == 1 else r.modules: r for r in handle.rules}
     assert sorted(n for r in handle.rules for n in r.modules) == [f"layers.{i}" for i in range(4)]
-    from actcfg.plan.model import RULE_OF
+    from actcfg.plan.model import CHOICE_OF
 
     by_module = {n: r for r in handle.rules for n in r.modules}
     for module, choice in plan.choices:
         rule = by_module[module]
-        assert {"mode": rule.checkpoint, **({"cpu_checkpointing": True} if rule.offload else {})} == RULE_OF[choice]
+        assert (rule.checkpoint, rule.offload) == (CHOICE_OF[choice].mode, CHOICE_OF[choice].offload)
     assert applied
     assert handle.report()["plan"]["policy_yaml"] == plan.policy_yaml
     for m in (model, plain):

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+import actcfg
 from actcfg.errors import PlanError
 from actcfg.plan import CHOICES, OFFLOADS, BlockProfile, Option, Profile, predict, smallest_peak, solve
 from actcfg.plan.model import COUNTERPART
@@ -208,16 +209,71 @@ def test_the_written_plan_is_a_valid_rules_policy_with_every_block_named():
     assert policy.checkpoint.mode == "rules"
     named = {n: r for r in policy.checkpoint.rules for n in r.modules}
     assert sorted(named) == sorted(b.name for b in profile.blocks)
-    from actcfg.plan.model import RULE_OF
+    from actcfg.plan.model import CHOICE_OF
 
     for block, choice in zip(plan.blocks, plan.choices):
         rule = named[block]
-        assert {"mode": rule.mode, **({"cpu_checkpointing": True} if rule.cpu_checkpointing else {})} == RULE_OF[choice]
+        assert (rule.mode, rule.cpu_checkpointing) == (CHOICE_OF[choice].mode, CHOICE_OF[choice].offload)
     assert policy.checkpoint.predicted.step_time_ms == pytest.approx(plan.step_ms, abs=0.05)
     assert 0 <= policy.checkpoint.predicted.peak - plan.peak < 2**20
     offloads = any(c in OFFLOADS for c in plan.choices)
     assert (policy.pin_budget == 2 * 2**30) is offloads
     assert text.startswith("# Written by actcfg plan from configs/x.yaml: the fastest per-module choices")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_plan_policy_is_built_directly_and_its_text_loads_back_to_it(seed):
+    """The Policy a plan is applied as is built without YAML; the text written for `-o` loads
+    back to an equal Policy, with the same fields set explicitly (a backend written is a backend
+    chosen, for the integrations)."""
+    from actcfg.plan.write import plan_policy, policy_yaml
+
+    profile = _random_profile(seed, 5)
+    lowest, top = smallest_peak(profile), predict(profile, ("keep",) * 5)[1]
+    plan = solve(profile, lowest + (top - lowest) * (seed % 3) // 3)
+    source = Policy.model_validate({"version": 1, "checkpoint": {"mode": "auto", "modules": ["Block"]},
+                                    "memory_budget": plan.budget, "pin": seed % 2 == 0,
+                                    "pin_budget": "2GiB", "pin_budget_per_node": "8GiB"})
+    built = plan_policy(plan, source)
+    loaded = actcfg.load(policy_yaml(built, plan, profile))
+    assert loaded == built
+    assert loaded.model_dump(exclude_unset=True) == built.model_dump(exclude_unset=True)
+    assert [r.model_fields_set for r in loaded.checkpoint.rules] == \
+        [r.model_fields_set for r in built.checkpoint.rules]
+    assert built.checkpoint.predicted.peak >= plan.peak
+    offloads = any(c in OFFLOADS for c in plan.choices)
+    assert (built.pin_budget_per_node == 8 * 2**30) is offloads
+
+
+def test_the_report_and_the_cli_json_come_from_the_plan():
+    """`Plan.report` is the one place a plan becomes a PlanReport, and `plan_json` the one
+    place its JSON for `actcfg plan --format json` is made (the keys as the command wrote them)."""
+    plan = solve(HAND, 60)
+    report = plan.report(HAND, "version: 1\n")
+    assert report.choices == tuple(zip(plan.blocks, plan.choices))
+    assert (report.memory_budget, report.predicted_peak, report.predicted_step_time_ms) == \
+        (plan.budget, plan.peak, plan.step_ms)
+    assert (report.plain_step_time_ms, report.plain_peak, report.device) == \
+        (HAND.plain_step_ms, HAND.plain_peak, HAND.device)
+    assert report.plan_json() == {
+        "memory_budget": 60, "choices": plan.to_json()["blocks"],
+        "max_inflight": plan.max_inflight, "kept_at_turn": plan.kept_at_turn,
+        "predicted": {"step_time_ms": plan.step_ms, "peak": plan.peak},
+        "plain": {"step_time_ms": HAND.plain_step_ms, "peak": HAND.plain_peak},
+        "plan": "version: 1\n"}
+    assert report.to_json()["choices"] == plan.to_json()["blocks"]
+
+
+def test_every_choice_is_one_row_of_the_table():
+    """Names, offloads, twins and rules all come from CHOICE_TABLE."""
+    from actcfg.plan.model import CHOICE_TABLE
+
+    assert CHOICES == ("keep", "selective", "full", "full_offload", "offload")
+    assert OFFLOADS == {"full_offload", "offload"} and COUNTERPART == {"full_offload": "full", "offload": "keep"}
+    rules = {c.name: c.rule(("m",)) for c in CHOICE_TABLE}
+    assert {n: (r.mode, r.cpu_checkpointing) for n, r in rules.items()} == {
+        "keep": ("none", False), "selective": ("selective", False), "full": ("full", False),
+        "full_offload": ("full", True), "offload": ("none", True)}
 
 
 def test_solve_imports_no_torch():

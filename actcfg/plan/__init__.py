@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from actcfg.plan.model import CHOICES, OFFLOADS, BlockProfile, Option, Profile
+from actcfg.plan.model import CHOICE_TABLE, CHOICES, OFFLOADS, BlockProfile, Choice, Option, Profile
 from actcfg.plan.solve import Plan, predict, smallest_peak, solve
-from actcfg.plan.write import exact_pattern, policy_text
+from actcfg.plan.trial import Apply
+from actcfg.plan.write import exact_pattern, plan_policy, policy_text, policy_yaml
 
 if TYPE_CHECKING:
     from actcfg.runtime.reports import PlanReport
@@ -22,15 +23,20 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHOICES",
+    "CHOICE_TABLE",
     "OFFLOADS",
+    "Apply",
     "BlockProfile",
+    "Choice",
     "Option",
     "Plan",
     "Planned",
     "Profile",
     "exact_pattern",
     "plan_model",
+    "plan_policy",
     "policy_text",
+    "policy_yaml",
     "predict",
     "smallest_peak",
     "solve",
@@ -48,7 +54,7 @@ class Planned:
     plan: Plan
 
 
-def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, apply: Any,
+def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, apply: Apply,
                origin: str = "") -> Planned:
     """Profile `model` on `inputs`, solve for `policy.memory_budget`, and return the plan as a
     `checkpoint.mode: rules` policy with the report of what was planned. `apply` is
@@ -57,10 +63,8 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
     of several ranks, every rank plans from the ranks' profiles reduced to their worst case and
     gets the same plan (`actcfg.plan.consensus`): a collective, which every rank must call."""
     from actcfg.plan.consensus import agree, one_profile
-    from actcfg.policy.checker import load
     from actcfg.runtime.step import default_loss
     from actcfg.plan.profile import profile as run_profile
-    from actcfg.runtime.reports import PlanReport
 
     _refuse_frozen(model)
     checked = _checked_loss(loss_fn if loss_fn is not None else default_loss, loss_fn is None)
@@ -68,23 +72,11 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
                            pin=policy.pin, pin_budget=policy.pin_budget)
     profiled = one_profile(profiled)  # the identity without a process group
     plan = solve(profiled, policy.memory_budget)
-    text = policy_text(plan, profiled, policy, origin=origin)
+    planned = plan_policy(plan, policy)
+    text = policy_yaml(planned, plan, profiled, origin=origin)
     agree(text)
-    report = PlanReport(
-        memory_budget=plan.budget,
-        choices=tuple(zip(plan.blocks, plan.choices)),
-        predicted_step_time_ms=plan.step_ms,
-        predicted_peak=plan.peak,
-        plain_step_time_ms=profiled.plain_step_ms,
-        plain_peak=profiled.plain_peak,
-        max_inflight=plan.max_inflight,
-        kept_at_turn=plan.kept_at_turn,
-        policy_yaml=text,
-        device=profiled.device,
-    )
-    planned = load(text)
     _refuse_inexact(model, planned, plan)
-    return Planned(planned, report, profiled, plan)
+    return Planned(planned, plan.report(profiled, text), profiled, plan)
 
 
 def _refuse_frozen(model: Any) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actcfg.plan.model import CHOICES, COUNTERPART, BlockProfile, Option, Profile
+from actcfg.plan.model import CHOICE_OF, CHOICE_TABLE, CHOICES, COUNTERPART, BlockProfile, Option, Profile
 from actcfg.plan.probe import StepReading
 from actcfg.plan.solve import predict, uniform_copies
 
@@ -44,9 +44,10 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
     for c in ("full", "selective"):
         if c in held:
             hold[c] = held[c]
-    if "full" in hold:
-        hold["full_offload"] = [max(0, h - m) for h, m in zip(hold["full"], moved["full_offload"])]
-    hold["offload"] = [max(0, h - m) for h, m in zip(hold["keep"], moved["offload"])]
+    for choice in CHOICE_TABLE:  # an offload choice holds its twin's bytes less what it moved
+        if choice.counterpart in hold:
+            hold[choice.name] = [max(0, h - m) for h, m in zip(hold[choice.counterpart],
+                                                               moved[choice.name])]
     usable = [c for c in CHOICES if c in hold and (c in runs or (c == "keep" and estimated_keep))]
 
     def before(c: str, b: int) -> int:
@@ -74,8 +75,8 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
             else:  # counted, not measured: a block's activations while it runs, and again in backward
                 fwd = hold["keep"][b]
                 bwd = hold["keep"][b] + hold[c][b] + moved[c][b]
-            if c in ("full", "selective", "full_offload"):
-                rec_run = runs.get("full" if c == "full_offload" else c)
+            if CHOICE_OF[c].mode != "none":  # recomputes: as its on-device twin's run measured
+                rec_run = runs.get(CHOICE_OF[c].counterpart or c)
                 recompute = max(0.0, rec_run.step.backward_ms[b] - backward_ms[b]) if rec_run else 0.0
             else:
                 recompute = 0.0

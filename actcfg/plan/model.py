@@ -12,31 +12,63 @@ from typing import Any
 
 __all__ = [
     "CHOICES",
+    "CHOICE_OF",
+    "CHOICE_TABLE",
     "COUNTERPART",
     "OFFLOADS",
-    "RULE_OF",
     "BlockProfile",
+    "Choice",
     "Option",
     "Profile",
 ]
 
-CHOICES: tuple[str, ...] = ("keep", "selective", "full", "full_offload", "offload")
-"""What a block may do with what it saves, from the most memory to the least (roughly)."""
 
-OFFLOADS: frozenset[str] = frozenset({"full_offload", "offload"})
+@dataclass(frozen=True)
+class Choice:
+    """What a block may do with what it saves, and the `checkpoint.mode: rules` rule it becomes.
+
+    The one statement of a choice: its name (the plan's, the report's and the JSON's word for
+    it), its rule's checkpoint mode, whether it offloads, and its on-device twin. A new choice
+    is one row of `CHOICE_TABLE`; the solver, the profile and the written plan read it from here.
+    """
+
+    name: str
+    mode: str
+    """The rule's `mode`: `none`, `selective` or `full`."""
+    offload: bool = False
+    """True when the rule sets `cpu_checkpointing`: what the block keeps goes to the host."""
+    counterpart: str | None = None
+    """An offload choice's on-device twin: the same recompute, without the copies."""
+
+    def rule(self, modules: tuple[str, ...]) -> Any:
+        """This choice as a `checkpoint.mode: rules` rule over `modules` (fnmatch patterns)."""
+        from actcfg.policy.schema import Rule
+
+        # cpu_checkpointing only where it is true: as the written plan sets it (fields set match).
+        offload = {"cpu_checkpointing": True} if self.offload else {}
+        return Rule(modules=modules, mode=self.mode, **offload)
+
+
+CHOICE_TABLE: tuple[Choice, ...] = (
+    Choice("keep", "none"),
+    Choice("selective", "selective"),
+    Choice("full", "full"),
+    Choice("full_offload", "full", offload=True, counterpart="full"),
+    Choice("offload", "none", offload=True, counterpart="keep"),
+)
+"""Every choice, from the most memory to the least (roughly)."""
+
+CHOICE_OF: dict[str, Choice] = {c.name: c for c in CHOICE_TABLE}
+"""A choice by its name."""
+
+CHOICES: tuple[str, ...] = tuple(c.name for c in CHOICE_TABLE)
+"""The choices' names, in `CHOICE_TABLE` order."""
+
+OFFLOADS: frozenset[str] = frozenset(c.name for c in CHOICE_TABLE if c.offload)
 """The choices that copy to the host and back."""
 
-COUNTERPART: dict[str, str] = {"full_offload": "full", "offload": "keep"}
-"""Each offload choice's on-device twin: the same recompute, without the copies."""
-
-RULE_OF: dict[str, dict[str, Any]] = {
-    "keep": {"mode": "none"},
-    "selective": {"mode": "selective"},
-    "full": {"mode": "full"},
-    "full_offload": {"mode": "full", "cpu_checkpointing": True},
-    "offload": {"mode": "none", "cpu_checkpointing": True},
-}
-"""Each choice as a rule of `checkpoint.mode: rules` (without its modules)."""
+COUNTERPART: dict[str, str] = {c.name: c.counterpart for c in CHOICE_TABLE if c.counterpart}
+"""Each offload choice's on-device twin."""
 
 
 @dataclass(frozen=True)

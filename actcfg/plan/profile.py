@@ -38,10 +38,11 @@ from actcfg.runtime.wrap import select_modules
 from actcfg.errors import ActcfgError, PlanError
 from actcfg.runtime.offload import OffloadWarning, loopback_enabled
 from actcfg.plan.cost import Run, assemble
-from actcfg.plan.model import CHOICES, OFFLOADS, RULE_OF, Profile
+from actcfg.plan.model import CHOICE_OF, CHOICES, OFFLOADS, Profile
 from actcfg.plan.probe import Meter, Probe, copy_bandwidth
 from actcfg.plan.saved import saved_bytes
-from actcfg.policy.schema import DEFAULT_SAVE_OPS
+from actcfg.plan.trial import Apply
+from actcfg.policy.schema import DEFAULT_SAVE_OPS, Policy, RulesCheckpoint
 from actcfg.plan.write import exact_pattern
 from actcfg.runtime.step import default_loss, split_inputs
 
@@ -98,22 +99,20 @@ def _restored(model: nn.Module) -> Iterator[None]:
             m.training = flag
 
 
-def _uniform(names: Sequence[str], choice: str, pin: bool, pin_budget: int | None) -> dict[str, Any]:
+def _uniform(names: Sequence[str], choice: str, pin: bool, pin_budget: int | None) -> Policy:
     # Names as exact patterns: a ModuleDict key `r[!a]` as a pattern matches `rb`, not itself.
-    rule = {"modules": [exact_pattern(n) for n in names], **RULE_OF[choice]}
-    section: dict[str, Any] = {"mode": "rules", "rules": [rule]}
-    data: dict[str, Any] = {"version": 1, "checkpoint": section}
-    if choice in OFFLOADS:
-        section.update(keep_last=0, max_inflight=1)
-        data["pin"] = pin
-        if pin_budget is not None:
-            data["pin_budget"] = pin_budget
-    return data
+    chosen = CHOICE_OF[choice]
+    rule = chosen.rule(tuple(exact_pattern(n) for n in names))
+    if not chosen.offload:
+        return Policy(version=1, checkpoint=RulesCheckpoint(mode="rules", rules=(rule,)))
+    return Policy(version=1, checkpoint=RulesCheckpoint(mode="rules", rules=(rule,), keep_last=0,
+                                                        max_inflight=1),
+                  pin=pin, pin_budget=pin_budget)
 
 
 def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], choice: str,
          args: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor],
-         apply: Callable[..., Any], meter: Meter, steps: int, pin: bool,
+         apply: Apply, meter: Meter, steps: int, pin: bool,
          pin_budget: int | None) -> Run:
     handle = None if choice == "keep" else apply(model, _uniform(names, choice, pin, pin_budget))
     probe = Probe(modules, meter)
@@ -153,7 +152,7 @@ def profile(
     modules: Sequence[str],
     inputs: Any,
     *,
-    apply: Callable[..., Any],
+    apply: Apply,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     pin: bool = True,
     pin_budget: int | None = None,

@@ -35,7 +35,7 @@ from typing import Any
 
 from actcfg.errors import PlanError
 from actcfg.plan.model import OFFLOADS, Profile
-from actcfg.runtime.reports import memory_size
+from actcfg.runtime.reports import PlanReport, memory_size
 
 __all__ = ["MAX_FRONT", "Plan", "predict", "smallest_peak", "solve", "uniform_copies"]
 
@@ -62,6 +62,22 @@ class Plan:
         turn (where nothing hides a copy); 0 when the plan offloads nothing."""
         offloaded = [i for i, c in enumerate(self.choices) if c in OFFLOADS]
         return len(self.choices) - 1 - offloaded[-1] if offloaded else 0
+
+    def report(self, profile: Profile, policy_yaml: str) -> PlanReport:
+        """What this plan says to the user and the applied policy's report, with the `profile`
+        it was solved from and its written policy."""
+        return PlanReport(
+            memory_budget=self.budget,
+            choices=tuple(zip(self.blocks, self.choices)),
+            predicted_step_time_ms=self.step_ms,
+            predicted_peak=self.peak,
+            plain_step_time_ms=profile.plain_step_ms,
+            plain_peak=profile.plain_peak,
+            max_inflight=self.max_inflight,
+            kept_at_turn=self.kept_at_turn,
+            policy_yaml=policy_yaml,
+            device=profile.device,
+        )
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able form."""

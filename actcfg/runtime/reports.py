@@ -154,13 +154,14 @@ class RuleReport:
 @dataclass(frozen=True)
 class PlanReport:
     """What `checkpoint.mode: auto` planned: the choice per candidate module, what the plan
-    predicted, and the rules policy that was applied (the same `actcfg plan` would write)."""
+    predicted, and the rules policy that was applied (the same `actcfg plan` would write).
+    Made by `actcfg.plan.Plan.report`, the one place a plan's fields become these."""
 
     memory_budget: int
     """The budget planned for, in bytes of GPU memory above a step's start."""
     choices: tuple[tuple[str, str], ...]
-    """(module, choice) for every candidate module in forward order; a choice is one of
-    `keep`, `selective`, `full`, `full_offload`, `offload`."""
+    """(module, choice) for every candidate module in forward order; a choice is a name of
+    `actcfg.plan.CHOICE_TABLE`."""
     predicted_step_time_ms: float
     """Predicted time of one training step under the plan."""
     predicted_peak: int
@@ -191,10 +192,25 @@ class PlanReport:
                 f"{memory_size(self.plain_peak)}; profiled on {self.device})")
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-able form."""
+        """JSON-able form (the `plan` section of an applied policy's report)."""
         out = asdict(self)
-        out["choices"] = [{"module": m, "choice": c} for m, c in self.choices]
+        out["choices"] = self.choices_json()
         return out
+
+    def choices_json(self) -> list[dict[str, str]]:
+        """The choices as JSON: `{module, choice}` per candidate module in forward order."""
+        return [{"module": m, "choice": c} for m, c in self.choices]
+
+    def plan_json(self) -> dict[str, Any]:
+        """The plan as `actcfg plan --format json` writes it: the choices, the schedule, the
+        prediction, the plain step and the policy text (the command adds what it measured)."""
+        return {
+            "memory_budget": self.memory_budget, "choices": self.choices_json(),
+            "max_inflight": self.max_inflight, "kept_at_turn": self.kept_at_turn,
+            "predicted": {"step_time_ms": self.predicted_step_time_ms, "peak": self.predicted_peak},
+            "plain": {"step_time_ms": self.plain_step_time_ms, "peak": self.plain_peak},
+            "plan": self.policy_yaml,
+        }
 
 
 def memory_size(n: float) -> str:
