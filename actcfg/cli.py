@@ -585,12 +585,18 @@ def _launched_world() -> int:
 def _verify(args: argparse.Namespace) -> int:
     """Under torchrun every rank measures and judges alike; only rank 0 writes (the report, the
     plot, the errors), and every rank returns the exit code of the same verdicts."""
+    return _rank_zero_writes(_verify_here, args)
+
+
+def _rank_zero_writes(command: Callable[..., int], args: argparse.Namespace) -> int:
+    """Run `command` on every rank; rank 0 (or a process torchrun did not start) writes, the
+    others run it silenced and return the same exit code."""
     if _launched_rank() == 0:
-        return _verify_here(args)
+        return command(args)
     quiet = io.StringIO()
     with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
         try:
-            return _verify_here(args, write=False)
+            return command(args, write=False)
         except _Usage:
             return 2
         except ActcfgError:
@@ -753,16 +759,7 @@ def _plan(args: argparse.Namespace) -> int:
     """Under torchrun every rank profiles, the ranks plan from their profiles reduced to the
     worst case (actcfg.plan.consensus) and all apply the same plan; only rank 0 writes (the
     plan file, the report, the errors), and every rank returns the exit code of the slowest."""
-    if _launched_rank() == 0:
-        return _plan_here(args)
-    quiet = io.StringIO()
-    with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-        try:
-            return _plan_here(args, write=False)
-        except _Usage:
-            return 2
-        except ActcfgError:
-            return 1
+    return _rank_zero_writes(_plan_here, args)
 
 
 def _plan_here(args: argparse.Namespace, write: bool = True) -> int:
