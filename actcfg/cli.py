@@ -878,7 +878,7 @@ def _render_plan(args: argparse.Namespace, planned: Any, step_ms: float, peak: i
     report, budget = planned.report, planned.plan.budget
 
     from actcfg.plan import OFFLOADS
-    from actcfg.runtime.reports import memory_size
+    from actcfg.units import memory_size
 
     def off(measured: float, predicted: float) -> str:
         return f"{(predicted - measured) / measured:+.1%}" if measured else "n/a"

@@ -182,7 +182,7 @@ def test_a_factory_that_fails_is_a_usage_sentence(factory, message):
 
 
 def test_plan_sizes_print_in_a_unit_that_shows_them():
-    from actcfg.runtime.reports import memory_size
+    from actcfg.units import memory_size
 
     # A 1 KiB budget printed as "0.0 MiB".
     assert [memory_size(n) for n in (1024, 512, 3 * 2**20 // 2, 5 * 2**30 // 2)] == [

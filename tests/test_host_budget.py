@@ -59,8 +59,8 @@ def test_without_a_usable_ledger_each_rank_takes_an_even_share_and_says_so(tmp_p
     assert budget.split == 2 * MIB
     assert budget.reserve(2 * MIB) and not budget.reserve(1)
     [line] = [r.getMessage() for r in caplog.records]
-    assert line.startswith("actcfg offload: local rank 1 of 4 pins at most 2 MiB, an even share of "
-                           "pin_budget_per_node 8 MiB: the node's ledger at ")
+    assert line.startswith("actcfg offload: local rank 1 of 4 pins at most 2.0 MiB, an even share of "
+                           "pin_budget_per_node 8.0 MiB: the node's ledger at ")
     budget.close()
 
 
@@ -71,7 +71,7 @@ def test_outside_a_launcher_the_process_is_the_nodes_only_rank(tmp_path, monkeyp
     with caplog.at_level(logging.INFO, logger="actcfg.runtime.host_budget"):
         budget = NodeBudget(4 * MIB)
     assert not budget.shared and budget.reserve(4 * MIB) and not budget.reserve(1)
-    assert "this process (no launcher: the node's only rank) shares pin_budget_per_node 4 MiB" in caplog.text
+    assert "this process (no launcher: the node's only rank) shares pin_budget_per_node 4.0 MiB" in caplog.text
     budget.close()
 
 
@@ -102,7 +102,7 @@ def test_a_killed_ranks_reservation_returns_to_the_node(tmp_path, caplog):
         with caplog.at_level(logging.WARNING, logger="actcfg.runtime.host_budget"):
             assert survivor.reserve(8 * MIB)
         assert survivor.reclaimed == 8 * MIB and survivor.node_held() == (8 * MIB, 1)
-        assert "a rank of this job died holding 8 MiB of pin_budget_per_node" in caplog.text
+        assert "a rank of this job died holding 8.0 MiB of pin_budget_per_node" in caplog.text
         survivor.close()
     finally:
         if rank.is_alive():

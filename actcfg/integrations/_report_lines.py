@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from actcfg.runtime.reports import memory_size
+from actcfg.units import memory_size
 
 __all__ = ["FirstStepPeak", "applied_line", "measured_line"]
 

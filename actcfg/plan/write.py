@@ -13,7 +13,7 @@ from typing import Any
 
 from actcfg.plan.model import CHOICE_OF, Profile
 from actcfg.plan.solve import Plan
-from actcfg.runtime.reports import memory_size
+from actcfg.units import memory_size
 from actcfg.policy.schema import Policy, Prediction, RulesCheckpoint, format_size
 
 __all__ = ["exact_pattern", "plan_policy", "policy_text", "policy_yaml"]

@@ -44,6 +44,8 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 
+from actcfg.units import memory_size
+
 __all__ = ["LEDGER_DIR_ENV", "NodeBudget", "job_key", "ledger_root", "local_ranks"]
 
 LEDGER_DIR_ENV = "ACTCFG_HOST_LEDGER_DIR"
@@ -79,13 +81,6 @@ def local_ranks() -> tuple[int, int]:
             return default
 
     return read("LOCAL_RANK", 0), max(1, read("LOCAL_WORLD_SIZE", 1))
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.4g} {unit}"
-    return f"{n} B"
 
 
 class NodeBudget:
@@ -187,7 +182,7 @@ class NodeBudget:
                 os.unlink(path)
                 self.reclaimed += held
                 _LOG.warning("actcfg offload: a rank of this job died holding %s of "
-                             "pin_budget_per_node; returned to the node (%s)", _size(held), path)
+                             "pin_budget_per_node; returned to the node (%s)", memory_size(held), path)
             finally:
                 os.close(fd)
         return total, ranks
@@ -244,10 +239,10 @@ class NodeBudget:
         who = (f"local rank {self.local_rank} of {self.local_world}" if self.shared
                else "this process (no launcher: the node's only rank)")
         if self.split is not None:
-            return (f"actcfg offload: {who} pins at most {_size(self.split)}, an even share of "
-                    f"pin_budget_per_node {_size(self.budget)}: {self.why_split}")
+            return (f"actcfg offload: {who} pins at most {memory_size(self.split)}, an even share of "
+                    f"pin_budget_per_node {memory_size(self.budget)}: {self.why_split}")
         held, ranks = self.node_held()
-        return (f"actcfg offload: {who} shares pin_budget_per_node {_size(self.budget)} with the "
+        return (f"actcfg offload: {who} shares pin_budget_per_node {memory_size(self.budget)} with the "
                 f"job's other ranks on this node, first come first served (an even share would be "
-                f"{_size(self.budget // self.local_world)}; {ranks} ranks hold {_size(held)} now; "
+                f"{memory_size(self.budget // self.local_world)}; {ranks} ranks hold {memory_size(held)} now; "
                 f"ledger {self.path})")

@@ -12,6 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from actcfg.units import decimal_size
+
 __all__ = ["OffloadStats", "OffloadWarning", "no_effect_reason"]
 
 
@@ -176,22 +178,18 @@ def no_effect_reason(st: OffloadStats, min_offload_bytes: int) -> str | None:
                 "the scope (a compiled region that bypassed the hooks, frozen weights with "
                 "an input that needs no grad, or a forward outside the model)")
     if st.kept_bytes >= min_offload_bytes and st.groups <= 1:
-        return (f"all {mb(st.kept_bytes)} of offloadable activations fell into one group, the "
+        return (f"all {decimal_size(st.kept_bytes)} of offloadable activations fell into one group, the "
                 "last, which stays on the GPU for backward: no block boundary was seen during "
                 "the forward (are the checkpointed or grouped modules ever called?)")
     if st.kept_bytes >= min_offload_bytes:
-        return (f"the only offloadable activations ({mb(st.kept_bytes)}) were saved in the last "
+        return (f"the only offloadable activations ({decimal_size(st.kept_bytes)}) were saved in the last "
                 "group, which stays on the GPU for backward")
     if st.kept_by_rule_bytes and st.kept_by_rule_bytes >= st.packed_bytes - st.kept_bytes:
-        return (f"{mb(st.kept_by_rule_bytes)} of saved activations stayed in groups the policy "
+        return (f"{decimal_size(st.kept_by_rule_bytes)} of saved activations stayed in groups the policy "
                 "keeps on the device, and the groups marked for offload saved nothing to move "
                 "(are the modules whose rule offloads ever called?)")
     if st.kept_bytes_by_reason:
-        reasons = ", ".join(f"{mb(n)} as {r}" for r, n in sorted(st.kept_bytes_by_reason.items()))
+        reasons = ", ".join(f"{decimal_size(n)} as {r}" for r, n in sorted(st.kept_bytes_by_reason.items()))
         return f"every large saved tensor stays in place by rule ({reasons})"
-    return (f"every saved tensor was under min_offload_bytes ({mb(min_offload_bytes)}): "
-            f"{st.packed_tensors} tensors, {mb(st.packed_bytes)} in all")
-
-
-def mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.1f} kB"
+    return (f"every saved tensor was under min_offload_bytes ({decimal_size(min_offload_bytes)}): "
+            f"{st.packed_tensors} tensors, {decimal_size(st.packed_bytes)} in all")

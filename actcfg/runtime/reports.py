@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from actcfg.units import memory_size
+
 __all__ = [
     "CheckpointCounters",
     "CheckpointReport",
@@ -16,7 +18,6 @@ __all__ = [
     "OffloadReport",
     "PlanReport",
     "RuleReport",
-    "memory_size",
 ]
 
 
@@ -211,17 +212,3 @@ class PlanReport:
             "plain": {"step_time_ms": self.plain_step_time_ms, "peak": self.plain_peak},
             "plan": self.policy_yaml,
         }
-
-
-def memory_size(n: float) -> str:
-    """A byte count as GPU memory is read: `1.50 GiB`, `12.0 MiB`, `1.0 KiB`, `512 B`. Each unit
-    from one of it up, so that no size that is not 0 prints as 0 (a 1 KiB budget was `0.0 MiB`)."""
-    a = abs(n)
-    if a >= 2**30:
-        return f"{n / 2**30:.2f} GiB"
-    if a >= 2**20:
-        return f"{n / 2**20:.1f} MiB"
-    if a >= 2**10:
-        return f"{n / 2**10:.1f} KiB"
-    return f"{n:.0f} B"
-

@@ -9,11 +9,11 @@ from collections.abc import Sequence
 
 from actcfg.errors import VerifyError
 from actcfg.policy.schema import Policy
+from actcfg.units import decimal_size
 from actcfg.verification.report import (
     Measurements,
     Verdict,
     growth_per_block,
-    human_bytes,
     tolerance,
     worst_grad,
 )
@@ -52,10 +52,10 @@ def _judge_offload(m: Measurements) -> Verdict:
     if growth < FLAT_FRACTION * one:
         resident = m.policy.held[-1] / one
         moved = ("" if m.offloaded_bytes is None
-                 else f"; {human_bytes(m.offloaded_bytes)} offloaded per step")
+                 else f"; {decimal_size(m.offloaded_bytes)} offloaded per step")
         return Verdict("cpu_checkpointing", True,
-                       f"GPU memory stopped growing: {human_bytes(growth)} per block over {span} "
-                       f"(limit {human_bytes(FLAT_FRACTION * one)}, 5% of one block input); "
+                       f"GPU memory stopped growing: {decimal_size(growth)} per block over {span} "
+                       f"(limit {decimal_size(FLAT_FRACTION * one)}, 5% of one block input); "
                        f"{resident:.1f} block inputs stay on the GPU{moved}")
     ratio = growth / one
     size = ("the size of one block input" if 0.9 <= ratio <= 1.1
@@ -63,7 +63,7 @@ def _judge_offload(m: Measurements) -> Verdict:
     effect = ("the offload did not take effect" if ratio >= 0.9
               else "part of each block's activations stayed on the GPU")
     return Verdict("cpu_checkpointing", False,
-                   f"cpu_checkpointing is on but GPU memory grew by {human_bytes(growth)} per "
+                   f"cpu_checkpointing is on but GPU memory grew by {decimal_size(growth)} per "
                    f"block, {size}: {effect}")
 
 
@@ -93,18 +93,18 @@ def _judge_peak(policy: Policy, m: Measurements) -> Verdict:
     margin = FLAT_FRACTION * m.block_input_bytes
     if ours < plain - margin:
         return Verdict("peak", True,
-                       f"the peak fell from {human_bytes(plain)} to {human_bytes(ours)} "
+                       f"the peak fell from {decimal_size(plain)} to {decimal_size(ours)} "
                        f"({(plain - ours) / plain:.0%} lower)")
     what = "checkpointing" if policy.checkpoint.mode != "none" else "cpu_checkpointing"
     if ours < plain:
         return Verdict("peak", False,
-                       f"{what} is on but the peak was {human_bytes(ours)}, only "
-                       f"{human_bytes(plain - ours)} below the plain run's {human_bytes(plain)} "
+                       f"{what} is on but the peak was {decimal_size(ours)}, only "
+                       f"{decimal_size(plain - ours)} below the plain run's {decimal_size(plain)} "
                        "(less than 5% of one block input): the policy freed almost no "
                        "activation memory")
     return Verdict("peak", False,
-                   f"{what} is on but the peak was {human_bytes(ours)}, not below the plain "
-                   f"run's {human_bytes(plain)}: the policy freed no activation memory")
+                   f"{what} is on but the peak was {decimal_size(ours)}, not below the plain "
+                   f"run's {decimal_size(plain)}: the policy freed no activation memory")
 
 
 def _judge_partition(m: Measurements) -> Verdict:
@@ -122,11 +122,11 @@ def _judge_partition(m: Measurements) -> Verdict:
     limit = PARTITION_SLACK * one / n + FLAT_FRACTION * one
     if growth <= limit:
         return Verdict("partition", True,
-                       f"held checkpoint memory grew by {human_bytes(growth)} per block, "
+                       f"held checkpoint memory grew by {decimal_size(growth)} per block, "
                        f"{growth / one:.2f} of one block input (about 1/{n} or less)")
     return Verdict("partition", False,
                    f"partition is on with model-parallel size {n} but held checkpoint memory grew "
-                   f"by {human_bytes(growth)} per block, {growth / one:.2f} of one block input "
+                   f"by {decimal_size(growth)} per block, {growth / one:.2f} of one block input "
                    f"instead of about 1/{n}: the activations were not partitioned")
 
 
@@ -188,15 +188,15 @@ def _judge_prediction(policy: Policy, m: Measurements) -> Verdict | None:
     predicted = policy.checkpoint.predicted
     return Verdict("prediction", False,
                    f"the plan predicted {predicted.step_time_ms:.1f} ms and a peak of "
-                   f"{human_bytes(predicted.peak)}, and this run measured "
+                   f"{decimal_size(predicted.peak)}, and this run measured "
                    f"{m.policy.step_time_s * 1000:.1f} ms ({errors[0]:+.0%}) and "
-                   f"{human_bytes(m.policy.peak)} ({errors[1]:+.0%}): more than "
+                   f"{decimal_size(m.policy.peak)} ({errors[1]:+.0%}): more than "
                    f"{PREDICTION_SLACK:.0%} off; plan again on this machine (`actcfg plan`)")
 
 
 def _judge_rules_offload(m: Measurements) -> Verdict:
     if m.offloaded_bytes:
-        return Verdict("offload", True, f"the rules that offload moved {human_bytes(m.offloaded_bytes)} "
+        return Verdict("offload", True, f"the rules that offload moved {decimal_size(m.offloaded_bytes)} "
                                         "to the host in the last step")
     return Verdict("offload", False, "a rule sets cpu_checkpointing, but actcfg's offload engine "
                                      "copied 0 bytes to the host in the last step: the offload "

@@ -17,7 +17,6 @@ __all__ = [
     "Verdict",
     "VerifyReport",
     "growth_per_block",
-    "human_bytes",
     "tolerance",
     "worst_grad",
 ]
@@ -214,15 +213,3 @@ def worst_grad(grads: Sequence[GradDiff]) -> GradDiff | None:
 def tolerance(dtype: str) -> float:
     """The gradient tolerance for `dtype`; 1e-5 for any dtype not in GRAD_TOLERANCE."""
     return GRAD_TOLERANCE.get(dtype, 1e-5)
-
-
-def human_bytes(n: float) -> str:
-    """Decimal units for sentences: `0.26 GB`, `67.1 MB`, `12.0 kB`, `512 B`."""
-    a = abs(n)
-    if a >= 1e8:
-        return f"{n / 1e9:.2f} GB"
-    if a >= 1e5:
-        return f"{n / 1e6:.1f} MB"
-    if a >= 1e3:
-        return f"{n / 1e3:.1f} kB"
-    return f"{n:.0f} B"
