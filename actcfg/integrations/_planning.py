@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import actcfg
+from actcfg.policy.checker import load
 from actcfg.errors import ActcfgError, PolicyApplyError
 from actcfg.policy.schema import Policy, format_size
 
@@ -45,7 +45,7 @@ def load_plan_file(plan_file: str | os.PathLike[str]) -> tuple[Path, Policy]:
         raise PolicyApplyError(
             f"plan_file={str(path)!r} does not exist: pass the {PLAN_FILE_NAME} an earlier run "
             "wrote, or leave plan_file= out to plan on the first batch")
-    plan = actcfg.load(path)
+    plan = load(path)
     if plan.checkpoint.mode != "rules":
         raise PolicyApplyError(
             f"{path}: plan_file= takes a plan (`checkpoint.mode: rules`, as actcfg writes it), "

@@ -42,7 +42,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-import actcfg
+from actcfg.api import apply
+from actcfg.policy.checker import load
 from actcfg.backends import Backend
 from actcfg.backends.deepspeed import SECTION
 from actcfg.backends.hf import ARGUMENT, KWARGS, OLD_NAMES
@@ -88,7 +89,7 @@ class ActivationPolicyCallback(TrainerCallback):
     def __init__(self, policy: Any, *, backend: Backend | str | None = None, mpu: Any = None,
                  plan_file: str | Path | None = None) -> None:
         # Validated now, so a bad policy fails where the Trainer is built, not after setup.
-        self.policy: Policy = actcfg.load(policy, backends=() if backend is None else (backend,))
+        self.policy: Policy = load(policy, backends=() if backend is None else (backend,))
         refuse_plan_file_without_auto(self.policy, plan_file)
         self.plan_file: Path | None = None
         """The plan applied instead of planning (`plan_file=`), else None."""
@@ -135,12 +136,12 @@ class ActivationPolicyCallback(TrainerCallback):
         self._peak = FirstStepPeak()
         self._run = (args, state)
         if not auto:
-            self.applied = actcfg.apply(model, self.policy, backend=backend, mpu=self.mpu)
+            self.applied = apply(model, self.policy, backend=backend, mpu=self.mpu)
             self._say(applied_line(self.applied))
         elif self._plan is not None:
             assert self.plan_file is not None
             check_plan_fits_model(model, self.policy, self._plan, self.plan_file)
-            self.applied = actcfg.apply(model, self._plan, backend=backend)
+            self.applied = apply(model, self._plan, backend=backend)
             self._say(applied_line(self.applied, plan_file=self.plan_file))
         else:
             _refuse_planning_in(args)
@@ -158,7 +159,7 @@ class ActivationPolicyCallback(TrainerCallback):
                 "compute_loss of your own?): call it with keyword arguments only, or write the "
                 "plan with `actcfg plan` and pass plan_file=")
         began = time.perf_counter()
-        self.applied = actcfg.apply(model, self.policy, backend=Backend.TORCH,
+        self.applied = apply(model, self.policy, backend=Backend.TORCH,
                                     inputs=dict(kwargs) if kwargs else tuple(args),
                                     loss_fn=trainer_loss)
         took = self.plan_seconds = time.perf_counter() - began

@@ -53,7 +53,8 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-import actcfg
+from actcfg.api import apply
+from actcfg.policy.checker import load
 from actcfg.backends import Backend
 from actcfg.backends.deepspeed import SECTION, TABLE
 from actcfg.backends.table import Key
@@ -106,7 +107,7 @@ class ActivationPolicy(pl.Callback):
     def __init__(self, policy: Any, *, backend: Backend | str | None = None, mpu: Any = None,
                  plan_file: str | Path | None = None) -> None:
         # Validated now, so a bad policy fails where the Trainer is built, not after setup.
-        self.policy: Policy = actcfg.load(policy, backends=() if backend is None else (backend,))
+        self.policy: Policy = load(policy, backends=() if backend is None else (backend,))
         refuse_plan_file_without_auto(self.policy, plan_file)
         self.plan_file: Path | None = None
         """The plan applied instead of planning (`plan_file=`), else None."""
@@ -170,13 +171,13 @@ class ActivationPolicy(pl.Callback):
         self._checked_step = False
         self._peak = FirstStepPeak()
         if mode != "auto":
-            self.applied = actcfg.apply(pl_module, self.policy, backend=self._backend(trainer),
+            self.applied = apply(pl_module, self.policy, backend=self._backend(trainer),
                                         mpu=self.mpu)
             rank_zero_info(applied_line(self.applied))
         elif self._plan is not None:
             assert self.plan_file is not None
             check_plan_fits_model(pl_module, self.policy, self._plan, self.plan_file)
-            self.applied = actcfg.apply(pl_module, self._plan, backend=Backend.TORCH)
+            self.applied = apply(pl_module, self._plan, backend=Backend.TORCH)
             rank_zero_info(applied_line(self.applied, plan_file=self.plan_file))
         else:
             _refuse_planning_in(trainer, pl_module)
@@ -197,7 +198,7 @@ class ActivationPolicy(pl.Callback):
             with trainer.precision_plugin.train_step_context(), _logs_thrown_away(trainer, pl_module):
                 planned = plan_model(view, self.policy, (batch, batch_idx), loss_fn=step_loss,
                                      apply=actcfg.apply)
-            self.applied = actcfg.apply(pl_module, planned.policy, backend=Backend.TORCH)
+            self.applied = apply(pl_module, planned.policy, backend=Backend.TORCH)
             self.applied.set_plan(planned.report)
             took = self.plan_seconds = time.perf_counter() - began
             if trainer.is_global_zero:
