@@ -21,6 +21,7 @@ import actcfg
 from actcfg.errors import ActcfgError, OffloadError, PolicyApplyError
 from actcfg.runtime.offload import OffloadWarning, host_loopback
 from actcfg.probes import blocks
+from _helpers import assert_grads_close, grads_of, train_step
 
 try:
     from tests._deepspeed_env import ds_env
@@ -40,26 +41,6 @@ SMALL = 1 << 14  # min_offload_bytes for these small models: a block input is 64
 def make(n: int = 4) -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     return blocks(n=n, d_model=64, heads=4, ffn=128, batch=4, seq=64, dtype=torch.float32, device="cpu")
-
-
-def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, p in model.named_parameters():
-        g = p.grad
-        out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
-    return out
-
-
-def train_step(model: nn.Module, x: torch.Tensor, run: nn.Module | None = None) -> dict[str, torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    (model if run is None else run)(x).square().mean().backward()
-    return grads_of(model)
-
-
-def assert_same(got: dict, want: dict, tol: float = 0.0) -> None:
-    assert got.keys() == want.keys()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=tol, atol=tol, msg=name)
 
 
 def applied(model: nn.Module, cfg: dict) -> actcfg.AppliedPolicy:
@@ -112,7 +93,7 @@ def test_fsdp2_in_either_order_gives_fsdp2s_gradients_and_the_policy_acts(mesh, 
     assert type(model.blocks[0]).__name__ == "FSDPBlock"
     for _ in range(2):
         got = train_step(model, x)
-    assert_same(got, want, 1e-6)
+    assert_grads_close(got, want, 1e-6)
     if "checkpoint" in cfg:
         assert handle.checkpointed == ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
         assert handle.counters.recomputes == 2 * 4
@@ -177,7 +158,7 @@ def test_compile_in_every_order_gives_eager_gradients_and_really_offloads(loopba
         warnings.simplefilter("error", OffloadWarning)  # a no-op offload would warn
         for _ in range(3):
             got = train_step(model, x, run)
-    assert_same(got, want, 1e-5)
+    assert_grads_close(got, want, 1e-5)
     assert counters["stats"]["unique_graphs"] >= 1  # it really compiled...
     assert counters["stats"]["unique_graphs"] <= 4  # ...without a recompile storm
     if eager is not None:
@@ -200,7 +181,7 @@ def test_compile_of_a_reentrant_policy_runs_eager_checkpoint_with_eager_gradient
     model, _ = make()
     actcfg.apply(model, REENTRANT)
     got = train_step(model, x, torch.compile(model, backend="aot_eager"))
-    assert_same(got, want, 1e-5)
+    assert_grads_close(got, want, 1e-5)
     torch._dynamo.reset()
 
 
@@ -257,7 +238,7 @@ def test_hf_llama_recomputes_each_layer_with_plain_gradients_and_no_kv_cache(cap
     assert [r.getMessage() for r in caplog.records][0] == (
         "actcfg: turned off use_cache on LlamaForCausalLM's config, as transformers does when it "
         "checkpoints (a KV cache built in training keeps two block inputs per layer)")
-    assert_same(lm_step(model), want, 1e-6)
+    assert_grads_close(lm_step(model), want, 1e-6)
     assert calls == [2, 2, 2, 2]  # forward, then the recompute in backward
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
     handle.remove()
@@ -279,7 +260,7 @@ def test_hf_activation_checkpointing_already_on_is_refused_and_external_keeps_it
     handle = actcfg.apply(model, {"version": 1, "checkpoint": {"mode": "external"}, "cpu_checkpointing": True})
     handle.engine.min_offload_bytes = 1 << 12
     assert handle.offload.groups == tuple(f"model.layers.{i}" for i in range(4))
-    assert_same(lm_step(model), want, 1e-6)
+    assert_grads_close(lm_step(model), want, 1e-6)
     assert calls == [2, 2, 2, 2]
     assert handle.engine.stats.offloaded_bytes > 0
     handle.remove()

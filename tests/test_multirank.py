@@ -32,6 +32,10 @@ try:
 except ImportError:  # tests/ is not a package: pytest puts tests/ itself on sys.path
     from _multirank import (WORLD, finish, free_port, gloo_or_skip, init_group, run_ranks,
                             write_result)
+try:
+    from tests._helpers import grads_of, max_rel_error, train_step
+except ImportError:
+    from _helpers import grads_of, max_rel_error, train_step
 
 # Spawned ranks start a fresh interpreter each (torch, and DeepSpeed for some): the quick inner
 # loop (`pytest -m "not slow"`) leaves them to CI.
@@ -51,28 +55,6 @@ def make(n: int = N_BLOCKS) -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     return blocks(n=n, d_model=64, heads=4, ffn=128, batch=4, seq=64, dtype=torch.float32,
                   device="cpu")
-
-
-def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Each parameter's whole gradient (a sharded DTensor's gathered with full_tensor)."""
-    out = {}
-    for name, p in model.named_parameters():
-        g = p.grad
-        out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
-    return out
-
-
-def train_step(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    model(x).square().mean().backward()
-    return full_grads(model)
-
-
-def max_rel_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    """max over parameters of max|got - want| / max|want|; inf when a gradient is missing."""
-    if got.keys() != want.keys():
-        return float("inf")
-    return max(float((got[k] - want[k]).abs().max() / want[k].abs().max()) for k in want)
 
 
 # --- FSDP2 across two ranks ---------------------------------------------------------------------
@@ -202,7 +184,7 @@ def _partition_run(model: nn.Module, x: torch.Tensor, cfg: dict, mpu: Any) -> di
         held = held_by_deepspeed(out)
         out.square().mean().backward()
         del out
-    got = full_grads(model)
+    got = grads_of(model)
     report = handle.report()
     handle.remove()
     return {
