@@ -21,7 +21,7 @@ import actcfg
 from actcfg.errors import ActcfgError, OffloadError, PolicyApplyError
 from actcfg.runtime.offload import OffloadWarning, host_loopback
 from actcfg.probes import blocks
-from _helpers import assert_grads_close, grads_of, train_step
+from _helpers import assert_grads_close, grads_of, saved_bytes, train_step
 
 try:
     from tests._deepspeed_env import ds_env
@@ -262,7 +262,8 @@ def test_hf_activation_checkpointing_already_on_is_refused_and_external_keeps_it
     assert handle.offload.groups == tuple(f"model.layers.{i}" for i in range(4))
     assert_grads_close(lm_step(model), want, 1e-6)
     assert calls == [2, 2, 2, 2]
-    assert handle.engine.stats.offloaded_bytes > 0
+    # layers 0-2's hidden_states (2 x 32 x 64 floats); layer 3 is the last group, kept
+    assert handle.engine.stats.offloaded_bytes == 3 * 2 * 32 * 64 * 4
     handle.remove()
 
 
@@ -318,11 +319,14 @@ class TrainsThroughAStep(nn.Module):
 def test_the_offload_step_is_the_innermost_module_enclosing_every_group(loopback):
     root = TrainsThroughAStep()
     plain, x = make()
+    reference = copy.deepcopy(plain)
     plain(x).square().mean().backward()
     handle = applied(root, OFFLOAD_ALL)
     assert handle.offload.within == "model"
     root.training_step(x).backward()
-    assert handle.engine.stats.steps == 1 and handle.engine.stats.offloaded_bytes > 0
+    # what blocks 0-2 save (block 3 is the last group), measured on a plain copy
+    saved = saved_bytes(reference, x, list(reference.blocks), SMALL)
+    assert handle.engine.stats.steps == 1 and handle.engine.stats.offloaded_bytes == sum(saved[:-1])
     for (name, p), q in zip(root.model.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
 

@@ -15,7 +15,7 @@ from actcfg.errors import ActcfgError, PolicyApplyError
 from actcfg.probes import Block, blocks, linear_chain
 from actcfg.api import AppliedPolicy, apply
 from actcfg.runtime.wrap import select_modules
-from _helpers import small_blocks, train_step
+from _helpers import saved_bytes, small_blocks, train_step
 
 API = "torch.utils.checkpoint.checkpoint"
 NON_REENTRANT = {"use_reentrant": False, "preserve_rng_state": True}
@@ -560,7 +560,9 @@ def test_offload_groups_are_the_block_children_and_every_group_but_the_last_move
         assert torch.equal(got[name], want[name]), name
     stats = handle.engine.stats
     assert stats.steps == 1 and stats.groups == 4  # one open before the first mark
-    assert stats.offloaded_bytes > 0 and stats.reloaded_bytes == stats.offloaded_bytes
+    # everything blocks 0 and 1 save (but parameters and x); block 2 is the last group, kept
+    saved = saved_bytes(plain, x, list(plain.blocks), 1 << 14)
+    assert stats.offloaded_bytes == saved[0] + saved[1] and stats.reloaded_bytes == stats.offloaded_bytes
     assert stats.kept_bytes > 0  # the last block's activations never left
     assert handle.report()["effect"]["offload"]["offloaded_bytes"] == stats.offloaded_bytes
     handle.remove()
@@ -614,6 +616,7 @@ def test_checkpoint_inputs_are_what_moves_with_checkpointing(loopback):
 
 def test_every_2_offloads_what_the_unchecked_blocks_save_with_the_group_before(loopback):
     model, x = big_blocks(4)
+    plain = copy.deepcopy(model)
     cfg = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"], "every": 2},
            "cpu_checkpointing": True}
     handle = apply_offload(model, cfg)
@@ -622,7 +625,11 @@ def test_every_2_offloads_what_the_unchecked_blocks_save_with_the_group_before(l
         "the checkpointed modules (one in every 2 matches; what the modules between them save is "
         "offloaded with the group before it)")
     train_step(model, x)
-    assert handle.engine.stats.groups == 3 and handle.engine.stats.offloaded_bytes > 0
+    # group blocks.1 also carries what the unchecked block 2 saves; group 0 what block 0 saves;
+    # blocks.3 is the last group, kept
+    saved = saved_bytes(plain, x, list(plain.blocks), 1 << 14)
+    assert handle.engine.stats.groups == 3
+    assert handle.engine.stats.offloaded_bytes == saved[0] + x.nbytes + saved[2]
 
 
 def test_offload_step_is_closed_when_forward_raises(loopback):
