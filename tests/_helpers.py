@@ -31,6 +31,13 @@ def small_blocks(n: int = 4) -> tuple[nn.Module, torch.Tensor]:
     return blocks(n=n, d_model=32, heads=4, ffn=64, batch=2, seq=8, dtype=torch.float32, device="cpu")
 
 
+def offload_blocks(n: int = 3) -> tuple[nn.Module, torch.Tensor]:
+    """`n` blocks whose inputs (4 x 64 x 64 float32, 64 KiB) pass a lowered min_offload_bytes
+    (16 KiB), so the loopback engine moves them; float32 on the CPU, seed 0."""
+    torch.manual_seed(0)
+    return blocks(n=n, d_model=64, heads=4, ffn=128, batch=4, seq=64, dtype=torch.float32, device="cpu")
+
+
 def grads_of(model: nn.Module, *, as_float: bool = False, skip_missing: bool = False) -> dict[str, torch.Tensor]:
     """Each parameter's whole gradient by name (a sharded DTensor's gathered with full_tensor),
     detached copies; `as_float` upcasts them, `skip_missing` leaves out parameters with no grad."""

@@ -15,7 +15,7 @@ from actcfg.errors import ActcfgError, PolicyApplyError
 from actcfg.probes import Block, blocks, linear_chain
 from actcfg.api import AppliedPolicy, apply
 from actcfg.runtime.wrap import select_modules
-from _helpers import saved_bytes, small_blocks, train_step
+from _helpers import offload_blocks, saved_bytes, small_blocks, train_step
 
 API = "torch.utils.checkpoint.checkpoint"
 NON_REENTRANT = {"use_reentrant": False, "preserve_rng_state": True}
@@ -535,12 +535,6 @@ def loopback():
         yield
 
 
-def big_blocks(n: int = 3) -> tuple[nn.Module, torch.Tensor]:
-    """Blocks whose inputs (64 KiB) pass a lowered min_offload_bytes."""
-    torch.manual_seed(0)
-    return blocks(n=n, d_model=64, heads=4, ffn=128, batch=4, seq=64, dtype=torch.float32, device="cpu")
-
-
 def apply_offload(model: nn.Module, cfg: dict) -> AppliedPolicy:
     handle = apply(model, cfg)
     handle.engine.min_offload_bytes = 1 << 14
@@ -548,7 +542,7 @@ def apply_offload(model: nn.Module, cfg: dict) -> AppliedPolicy:
 
 
 def test_offload_groups_are_the_block_children_and_every_group_but_the_last_moves(loopback):
-    model, x = big_blocks(3)
+    model, x = offload_blocks(3)
     plain = copy.deepcopy(model)
     before = module_state(model)
     handle = apply_offload(model, {"version": 1, "cpu_checkpointing": True, "pin_budget": "1GiB"})
@@ -570,7 +564,7 @@ def test_offload_groups_are_the_block_children_and_every_group_but_the_last_move
 
 
 def test_no_grad_forwards_are_not_offloaded(loopback):
-    model, x = big_blocks(3)
+    model, x = offload_blocks(3)
     handle = apply_offload(model, {"version": 1, "cpu_checkpointing": True})
     with torch.no_grad():
         model(x)
@@ -583,7 +577,7 @@ def test_no_grad_forwards_are_not_offloaded(loopback):
 def test_a_training_step_in_eval_mode_offloads_as_in_train_mode(loopback):
     # Autograd saves by grad mode, whatever module.training says: training in eval() (dropout
     # off) offloaded 0 bytes, silently, while the checkpoint still ran (issue 20).
-    model, x = big_blocks(3)
+    model, x = offload_blocks(3)
     plain = copy.deepcopy(model).eval()
     cfg = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]}, "cpu_checkpointing": True}
     handle = apply_offload(model, cfg)
@@ -598,7 +592,7 @@ def test_a_training_step_in_eval_mode_offloads_as_in_train_mode(loopback):
 
 
 def test_checkpoint_inputs_are_what_moves_with_checkpointing(loopback):
-    model, x = big_blocks(4)
+    model, x = offload_blocks(4)
     plain = copy.deepcopy(model)
     cfg = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]}, "cpu_checkpointing": True}
     handle = apply_offload(model, cfg)
@@ -615,7 +609,7 @@ def test_checkpoint_inputs_are_what_moves_with_checkpointing(loopback):
 
 
 def test_every_2_offloads_what_the_unchecked_blocks_save_with_the_group_before(loopback):
-    model, x = big_blocks(4)
+    model, x = offload_blocks(4)
     plain = copy.deepcopy(model)
     cfg = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"], "every": 2},
            "cpu_checkpointing": True}
@@ -738,7 +732,7 @@ def test_selective_rule_recomputes_only_what_it_does_not_save():
 
 
 def test_rules_offload_only_the_groups_whose_rule_says_so(loopback):
-    model, x = big_blocks(4)
+    model, x = offload_blocks(4)
     plain = copy.deepcopy(model)
     handle = apply_offload(model, rules_policy(
         {"modules": ["blocks.0"], "mode": "none", "cpu_checkpointing": True},
@@ -766,7 +760,7 @@ def test_rules_offload_only_the_groups_whose_rule_says_so(loopback):
 
 
 def test_rules_keep_last_keeps_the_newest_offloaded_modules_from_the_second_step(loopback):
-    model, x = big_blocks(4)
+    model, x = offload_blocks(4)
     handle = apply_offload(model, rules_policy({"modules": ["Block"], "mode": "none", "cpu_checkpointing": True},
                                                keep_last=2, max_inflight=2))
     assert (handle.engine.keep_last, handle.engine.max_inflight) == (2, 2)

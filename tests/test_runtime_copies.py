@@ -18,19 +18,13 @@ from torch import nn
 from actcfg.errors import ActcfgError, PolicyApplyError
 from actcfg.runtime.offload import OffloadWarning, host_loopback
 from actcfg import apply, strip_policy
-from actcfg.verification.models import blocks
-from _helpers import train_step
+from _helpers import offload_blocks, train_step
 
 
 @pytest.fixture
 def loopback():
     with host_loopback():
         yield
-
-
-def small() -> tuple[nn.Module, torch.Tensor]:
-    torch.manual_seed(0)
-    return blocks(n=3, d_model=64, heads=4, ffn=128, batch=4, seq=64, dtype=torch.float32, device="cpu")
 
 
 def carried(model: nn.Module) -> list[str]:
@@ -53,7 +47,7 @@ POLICIES = {
 
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_a_copy_whose_original_was_removed_can_be_stripped(loopback, name):
-    model, x = small()
+    model, x = offload_blocks()
     plain = copy.deepcopy(model)
     handle = apply(model, POLICIES[name])
     twin = copy.deepcopy(model)
@@ -76,7 +70,7 @@ def test_a_copy_whose_original_was_removed_can_be_stripped(loopback, name):
 
 
 def test_a_model_whose_handle_is_live_is_not_stripped():
-    model, _ = small()
+    model, _ = offload_blocks()
     handle = apply(model, POLICIES["full"])
     before = carried(model)
     for target in (model, model.blocks[1]):
@@ -90,7 +84,7 @@ def test_a_model_whose_handle_is_live_is_not_stripped():
 
 
 def test_stripping_a_copy_leaves_the_live_original_offloading(loopback):
-    model, x = small()
+    model, x = offload_blocks()
     handle = apply(model, POLICIES["offload"])
     handle.engine.min_offload_bytes = 1 << 14
     strip_policy(copy.deepcopy(model))
@@ -111,7 +105,7 @@ def test_stripping_a_copy_leaves_the_live_original_offloading(loopback):
 def test_an_offload_rule_on_the_root_opens_one_step_and_says_why_nothing_moved(loopback, ckpt, why):
     # The root's pre-hook opened a step, its forward closed it (empty: "no saved activation
     # reached the offload hooks") and opened a second one.
-    model, x = small()
+    model, x = offload_blocks()
     plain = copy.deepcopy(model)
     handle = apply(model, {"version": 1, "checkpoint": ckpt})
     handle.engine.min_offload_bytes = 1 << 14
