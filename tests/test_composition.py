@@ -20,7 +20,7 @@ from torch import nn
 import actcfg
 from actcfg.errors import ActcfgError, OffloadError, PolicyApplyError
 from actcfg.runtime.offload import OffloadWarning, host_loopback
-from actcfg.probes import blocks
+from _helpers import assert_grads_close, grads_of, offload_blocks, saved_bytes, train_step
 
 try:
     from tests._deepspeed_env import ds_env
@@ -37,29 +37,14 @@ OFFLOAD_ALL = {"version": 1, "cpu_checkpointing": True}
 SMALL = 1 << 14  # min_offload_bytes for these small models: a block input is 64 KiB
 
 
-def make(n: int = 4) -> tuple[nn.Module, torch.Tensor]:
-    torch.manual_seed(0)
-    return blocks(n=n, d_model=64, heads=4, ffn=128, batch=4, seq=64, dtype=torch.float32, device="cpu")
-
-
-def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, p in model.named_parameters():
-        g = p.grad
-        out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
-    return out
-
-
-def train_step(model: nn.Module, x: torch.Tensor, run: nn.Module | None = None) -> dict[str, torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    (model if run is None else run)(x).square().mean().backward()
-    return grads_of(model)
-
-
-def assert_same(got: dict, want: dict, tol: float = 0.0) -> None:
-    assert got.keys() == want.keys()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=tol, atol=tol, msg=name)
+def moved_bytes(cfg: dict, x: torch.Tensor) -> int:
+    """What one step of `cfg` on offload_blocks(4)'s four blocks moves to the host: with checkpointing, the
+    inputs of blocks 1 and 2 (block 0's is x, the caller's batch; block 3 is the last group);
+    without, everything blocks 0-2 save, measured on a plain model."""
+    if "checkpoint" in cfg:
+        return 2 * x.nbytes
+    plain, _ = offload_blocks(4)
+    return sum(saved_bytes(plain, x, list(plain.blocks), SMALL)[:-1])
 
 
 def applied(model: nn.Module, cfg: dict) -> actcfg.AppliedPolicy:
@@ -99,10 +84,10 @@ def shard(model: nn.Module, mesh) -> None:
 @pytest.mark.parametrize("name", ["full", "reentrant", "full+offload", "offload"])
 def test_fsdp2_in_either_order_gives_fsdp2s_gradients_and_the_policy_acts(mesh, loopback, order, name):
     cfg = {"full": FULL, "reentrant": REENTRANT, "full+offload": FULL_OFFLOAD, "offload": OFFLOAD_ALL}[name]
-    reference, x = make()
+    reference, x = offload_blocks(4)
     shard(reference, mesh)
     want = train_step(reference, x)
-    model, _ = make()
+    model, _ = offload_blocks(4)
     if order == "apply-then-shard":
         handle = applied(model, cfg)
         shard(model, mesh)
@@ -112,13 +97,13 @@ def test_fsdp2_in_either_order_gives_fsdp2s_gradients_and_the_policy_acts(mesh, 
     assert type(model.blocks[0]).__name__ == "FSDPBlock"
     for _ in range(2):
         got = train_step(model, x)
-    assert_same(got, want, 1e-6)
+    assert_grads_close(got, want, 1e-6)
     if "checkpoint" in cfg:
         assert handle.checkpointed == ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
         assert handle.counters.recomputes == 2 * 4
     if cfg.get("cpu_checkpointing"):
         stats = handle.engine.stats
-        assert stats.offloaded_bytes > 0 and stats.reloaded_bytes == stats.offloaded_bytes
+        assert stats.offloaded_bytes == moved_bytes(cfg, x) and stats.reloaded_bytes == stats.offloaded_bytes
         # FSDP2's unsharded parameters are saved too; they stay (their storage is freed and
         # refilled by FSDP2 around backward), recognised when saved; so does the batch.
         assert set(stats.kept_bytes_by_reason) <= {"parameter", "input"}
@@ -127,7 +112,7 @@ def test_fsdp2_in_either_order_gives_fsdp2s_gradients_and_the_policy_acts(mesh, 
 
 @pytest.mark.slow
 def test_fsdp2_errors_name_the_class_the_user_wrote(mesh):
-    model, _ = make(2)
+    model, _ = offload_blocks(2)
     shard(model, mesh)
     with pytest.raises(PolicyApplyError) as info:
         actcfg.apply(model, {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block", "Linear"]}})
@@ -140,7 +125,7 @@ def test_fsdp2_errors_name_the_class_the_user_wrote(mesh):
 
 def compiled_run(order: str, cfg: dict) -> tuple[actcfg.AppliedPolicy, nn.Module, nn.Module]:
     torch._dynamo.reset()
-    model, _ = make()
+    model, _ = offload_blocks(4)
     if order == "compile-blocks-then-apply":
         for block in model.blocks:
             block.compile(backend="aot_eager")
@@ -164,11 +149,11 @@ def test_compile_in_every_order_gives_eager_gradients_and_really_offloads(loopba
     from torch._dynamo.utils import counters
 
     cfg = {"full": FULL, "selective": SELECTIVE, "full+offload": FULL_OFFLOAD, "offload": OFFLOAD_ALL}[name]
-    plain, x = make()
+    plain, x = offload_blocks(4)
     want = train_step(plain, x)
     eager = None
     if cfg.get("cpu_checkpointing"):
-        eager_model, _ = make()
+        eager_model, _ = offload_blocks(4)
         eager = applied(eager_model, cfg)
         train_step(eager_model, x)
     counters.clear()
@@ -177,13 +162,13 @@ def test_compile_in_every_order_gives_eager_gradients_and_really_offloads(loopba
         warnings.simplefilter("error", OffloadWarning)  # a no-op offload would warn
         for _ in range(3):
             got = train_step(model, x, run)
-    assert_same(got, want, 1e-5)
+    assert_grads_close(got, want, 1e-5)
     assert counters["stats"]["unique_graphs"] >= 1  # it really compiled...
     assert counters["stats"]["unique_graphs"] <= 4  # ...without a recompile storm
     if eager is not None:
         # The same bytes leave the device as in eager mode: the hooks saw the compiled graphs'
         # saved tensors, group by group.
-        assert handle.engine.stats.offloaded_bytes == eager.engine.stats.offloaded_bytes > 0
+        assert handle.engine.stats.offloaded_bytes == eager.engine.stats.offloaded_bytes == moved_bytes(cfg, x)
         assert handle.engine.stats.groups == eager.engine.stats.groups
         eager.remove()
     handle.remove()
@@ -195,12 +180,12 @@ def test_compile_of_a_reentrant_policy_runs_eager_checkpoint_with_eager_gradient
     """torch traces only the non-reentrant checkpoint: a reentrant one breaks the graph and runs
     eagerly (documented in the README), with the same gradients."""
     torch._dynamo.reset()
-    plain, x = make()
+    plain, x = offload_blocks(4)
     want = train_step(plain, x)
-    model, _ = make()
+    model, _ = offload_blocks(4)
     actcfg.apply(model, REENTRANT)
     got = train_step(model, x, torch.compile(model, backend="aot_eager"))
-    assert_same(got, want, 1e-5)
+    assert_grads_close(got, want, 1e-5)
     torch._dynamo.reset()
 
 
@@ -257,7 +242,7 @@ def test_hf_llama_recomputes_each_layer_with_plain_gradients_and_no_kv_cache(cap
     assert [r.getMessage() for r in caplog.records][0] == (
         "actcfg: turned off use_cache on LlamaForCausalLM's config, as transformers does when it "
         "checkpoints (a KV cache built in training keeps two block inputs per layer)")
-    assert_same(lm_step(model), want, 1e-6)
+    assert_grads_close(lm_step(model), want, 1e-6)
     assert calls == [2, 2, 2, 2]  # forward, then the recompute in backward
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
     handle.remove()
@@ -279,9 +264,10 @@ def test_hf_activation_checkpointing_already_on_is_refused_and_external_keeps_it
     handle = actcfg.apply(model, {"version": 1, "checkpoint": {"mode": "external"}, "cpu_checkpointing": True})
     handle.engine.min_offload_bytes = 1 << 12
     assert handle.offload.groups == tuple(f"model.layers.{i}" for i in range(4))
-    assert_same(lm_step(model), want, 1e-6)
+    assert_grads_close(lm_step(model), want, 1e-6)
     assert calls == [2, 2, 2, 2]
-    assert handle.engine.stats.offloaded_bytes > 0
+    # layers 0-2's hidden_states (2 x 32 x 64 floats); layer 3 is the last group, kept
+    assert handle.engine.stats.offloaded_bytes == 3 * 2 * 32 * 64 * 4
     handle.remove()
 
 
@@ -324,7 +310,7 @@ class TrainsThroughAStep(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.model, _ = make()
+        self.model, _ = offload_blocks(4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise AssertionError("never called")
@@ -336,12 +322,15 @@ class TrainsThroughAStep(nn.Module):
 @pytest.mark.slow
 def test_the_offload_step_is_the_innermost_module_enclosing_every_group(loopback):
     root = TrainsThroughAStep()
-    plain, x = make()
+    plain, x = offload_blocks(4)
+    reference = copy.deepcopy(plain)
     plain(x).square().mean().backward()
     handle = applied(root, OFFLOAD_ALL)
     assert handle.offload.within == "model"
     root.training_step(x).backward()
-    assert handle.engine.stats.steps == 1 and handle.engine.stats.offloaded_bytes > 0
+    # what blocks 0-2 save (block 3 is the last group), measured on a plain copy
+    saved = saved_bytes(reference, x, list(reference.blocks), SMALL)
+    assert handle.engine.stats.steps == 1 and handle.engine.stats.offloaded_bytes == sum(saved[:-1])
     for (name, p), q in zip(root.model.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
 
@@ -352,7 +341,7 @@ def test_the_offload_step_is_the_innermost_module_enclosing_every_group(loopback
 def _engine_losses(ds_env, stage: int, cfg: dict | None, backend: str | None) -> tuple[list[float], int]:
     import deepspeed
 
-    model, x = make()
+    model, x = offload_blocks(4)
     handle = actcfg.apply(model, cfg, backend=backend) if cfg else None
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
@@ -470,7 +459,7 @@ def test_a_small_saved_tensor_changed_in_place_raises_as_autograd_does(loopback)
 
 
 def test_an_offload_that_moves_nothing_warns_once_with_the_reason(loopback):
-    model, x = make(1)  # one block: its group is the last, which stays for backward
+    model, x = offload_blocks(1)  # one block: its group is the last, which stays for backward
     handle = applied(model, OFFLOAD_ALL)
     with pytest.warns(OffloadWarning) as record:
         train_step(model, x)
@@ -489,7 +478,7 @@ def test_an_offload_that_moves_nothing_warns_once_with_the_reason(loopback):
 
 @pytest.mark.parametrize("cfg", [FULL, OFFLOAD_ALL])
 def test_pickling_an_applied_model_is_refused_with_the_fix_and_works_after_remove(loopback, cfg):
-    model, x = make(2)
+    model, x = offload_blocks(2)
     handle = applied(model, cfg)
     copy.deepcopy(model)  # copies still work
     with pytest.raises(ActcfgError, match=r"^this model carries an actcfg policy, which cannot be "
@@ -510,7 +499,7 @@ def test_a_torchscript_module_is_refused_before_anything_is_wrapped():
 
 
 def test_concurrent_forwards_of_a_checkpointed_model_each_get_their_own_gradients():
-    plain, _ = make(4)
+    plain, _ = offload_blocks(4)
     model = copy.deepcopy(plain)
     actcfg.apply(model, FULL)
     inputs = [torch.randn(4, 64, 64, generator=torch.Generator().manual_seed(i)) for i in range(4)]

@@ -17,6 +17,7 @@ from torch import nn
 
 import actcfg
 from actcfg.probes import blocks
+from _helpers import assert_grads_within
 
 pytestmark = [
     pytest.mark.cuda,
@@ -69,12 +70,6 @@ def assert_flat(held: list[int], one_input: int) -> None:
     assert growth < FLAT * one_input, f"memory grew {growth / 2**20:.1f} MiB per block: {held}"
 
 
-def assert_grads(got: dict, want: dict) -> None:
-    for name, w in want.items():
-        err = float((got[name] - w).norm() / w.norm().clamp_min(1e-12))
-        assert err < 2e-2, f"{name}: relative error {err:.2e}"  # bf16 attention backward
-
-
 @pytest.fixture(scope="module")
 def nccl_mesh():
     import torch.distributed as dist
@@ -115,7 +110,7 @@ def test_fsdp2_offload_is_flat_and_exact(nccl_mesh, order, cfg):
         handle = actcfg.apply(model, cfg)
     for _ in range(2):
         got, held = step(model, x, watch=list(model.blocks))
-    assert_grads(got, want)
+    assert_grads_within(got, want, 2e-2, check_keys=False)  # bf16 attention backward
     assert handle.engine.stats.offloaded_bytes > 0
     assert_flat(held, x.numel() * x.element_size())
     handle.remove()
@@ -138,7 +133,7 @@ def test_compiled_offload_is_flat_and_exact(order, cfg):
         handle = actcfg.apply(model, cfg)
     for _ in range(3):
         got, held = step(model, x, run, watch=list(model.blocks))
-    assert_grads(got, want)
+    assert_grads_within(got, want, 2e-2, check_keys=False)  # bf16 attention backward
     assert handle.engine.stats.offloaded_bytes > 0
     assert_flat(held, x.numel() * x.element_size())
     handle.remove()
@@ -171,7 +166,7 @@ def test_hf_llama_offload_is_flat_and_exact():
     assert model.config.use_cache is False
     for _ in range(2):
         got, held = lm_step(model, list(model.model.layers))
-    assert_grads(got, want)
+    assert_grads_within(got, want, 2e-2, check_keys=False)  # bf16 attention backward
     assert handle.engine.stats.offloaded_bytes > 0
     assert_flat(held, 4 * 1024 * 1024 * 2)
     handle.remove()

@@ -29,9 +29,11 @@ from torch import nn  # noqa: E402
 try:
     from tests._multirank import WORLD, finish, init_group, run_ranks, write_result
     from tests._timeouts import scaled
+    from tests._helpers import grads_of, max_rel_error
 except ImportError:  # tests/ is not a package: pytest puts tests/ itself on sys.path
     from _multirank import WORLD, finish, init_group, run_ranks, write_result
     from _timeouts import scaled
+    from _helpers import grads_of, max_rel_error
 
 pytestmark = [
     pytest.mark.cuda,
@@ -76,20 +78,6 @@ def held_per_block(model: nn.Module, layers: list[nn.Module], x: torch.Tensor) -
     return growth_per_block(held)[0], out
 
 
-def grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, p in model.named_parameters():
-        g = p.grad
-        out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().float().clone()
-    return out
-
-
-def max_rel_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    if got.keys() != want.keys():
-        return float("inf")
-    return max(float((got[k] - want[k]).abs().max() / want[k].abs().max()) for k in want)
-
-
 # --- DeepSpeed partition across the two GPUs --------------------------------------------------
 
 N_LAYERS = 8
@@ -116,7 +104,7 @@ def _partition_worker(rank: int, out_dir: str, port: int) -> None:
         model.zero_grad(set_to_none=True)
         held, out = held_per_block(model, list(model), x.clone().requires_grad_(True))
         out.float().square().mean().backward()
-        return held, grads(model)
+        return held, grads_of(model, as_float=True)
 
     plain_held, want = step(plain)  # the one-GPU run
     result: dict[str, Any] = {"plain": plain_held / one_input}
@@ -181,7 +169,7 @@ def _fsdp_worker(rank: int, out_dir: str, port: int) -> None:
     reference, x = _stack()
     reference.zero_grad(set_to_none=True)
     reference(x).square().mean().backward()
-    want = grads(reference)  # one unsharded GPU, the whole global batch
+    want = grads_of(reference, as_float=True)  # one unsharded GPU, the whole global batch
     del reference
     local = x.chunk(WORLD)[rank].contiguous()
     one_input = local.numel() * local.element_size()
@@ -208,7 +196,7 @@ def _fsdp_worker(rank: int, out_dir: str, port: int) -> None:
                 del out
             stats = handle.engine.stats if handle.engine is not None else None
             result[f"{order}/{name}"] = {
-                "held": held / one_input, "grad_error": max_rel_error(grads(model), want),
+                "held": held / one_input, "grad_error": max_rel_error(grads_of(model, as_float=True), want),
                 "recomputes": handle.counters.recomputes,
                 "offloaded": None if stats is None else stats.offloaded_bytes}
             handle.remove()

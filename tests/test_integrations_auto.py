@@ -27,7 +27,6 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, TensorDataset  # noqa: E402
 from transformers import (  # noqa: E402
-    LlamaConfig,
     LlamaForCausalLM,
     Trainer,
     TrainerCallback,
@@ -39,6 +38,7 @@ from actcfg.integrations.hf import ActivationPolicyCallback  # noqa: E402
 from actcfg.integrations.lightning import ActivationPolicy  # noqa: E402
 from actcfg.runtime.offload import host_loopback  # noqa: E402
 from actcfg.probes import BlockStack  # noqa: E402
+from _helpers import tiny_llama  # noqa: E402
 
 STEPS = 3
 HF_AUTO = "version: 1\ncheckpoint: {mode: auto, modules: [LlamaDecoderLayer]}\nmemory_budget: 400KiB\n"
@@ -56,14 +56,9 @@ pytestmark = [
 # --- Hugging Face Trainer -------------------------------------------------------------------------
 
 
-def tiny_llama(layers: int = 3) -> LlamaForCausalLM:
-    """Random weights, with attention dropout: every step draws from the CPU generator."""
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        attention_dropout=0.2,
-    ))
+def dropout_llama(layers: int = 3) -> LlamaForCausalLM:
+    """The tiny Llama with attention dropout: every step draws from the CPU generator."""
+    return tiny_llama(layers, attention_dropout=0.2)
 
 
 class Tokens(Dataset):
@@ -105,7 +100,7 @@ class Steps(TrainerCallback):
 
 def hf_run(out: Path, callback: ActivationPolicyCallback, layers: int = 3) -> dict[str, Any]:
     data, steps = Tokens(), Steps()
-    trainer = Trainer(model=tiny_llama(layers), args=hf_arguments(out), train_dataset=data,
+    trainer = Trainer(model=dropout_llama(layers), args=hf_arguments(out), train_dataset=data,
                       callbacks=[callback, steps])
     trainer.train()
     return {"steps": steps.seen, "read": data.read,
@@ -152,14 +147,14 @@ def test_hf_plan_file_for_another_model_is_refused_naming_the_candidates(tmp_pat
                     "    - {modules: [model.layers.0, model.layers.1, model.layers.2], mode: full}\n"
                     "  predicted: {step_time_ms: 1.0, peak: 1MiB}\n")
     callback = ActivationPolicyCallback(HF_AUTO, plan_file=plan)
-    trainer = Trainer(model=tiny_llama(layers=2), args=hf_arguments(tmp_path / "out"),
+    trainer = Trainer(model=dropout_llama(layers=2), args=hf_arguments(tmp_path / "out"),
                       train_dataset=Tokens(), callbacks=[callback])
     with pytest.raises(PolicyApplyError, match=re.escape(
             f"{plan} was planned for another model: it names `model.layers.2`, which this model's "
             "candidates (`LlamaDecoderLayer`) do not include; delete plan_file= to plan this model "
             "on its first batch, or pass the plan written for it")):
         trainer.train()
-    more = Trainer(model=tiny_llama(layers=4), args=hf_arguments(tmp_path / "out"),
+    more = Trainer(model=dropout_llama(layers=4), args=hf_arguments(tmp_path / "out"),
                    train_dataset=Tokens(), callbacks=[ActivationPolicyCallback(HF_AUTO, plan_file=plan)])
     with pytest.raises(PolicyApplyError, match=re.escape(
             "was planned for another model: candidates `model.layers.3` of this model are not in it;")):
@@ -183,7 +178,7 @@ def test_hf_plan_file_refusals_before_training(tmp_path):
     big.write_text("version: 1\ncheckpoint:\n  mode: rules\n  rules:\n"
                    "    - {modules: [LlamaDecoderLayer], mode: full}\n"
                    "  predicted: {step_time_ms: 1.0, peak: 4MiB}\n")
-    trainer = Trainer(model=tiny_llama(), args=hf_arguments(tmp_path / "out"), train_dataset=Tokens(),
+    trainer = Trainer(model=dropout_llama(), args=hf_arguments(tmp_path / "out"), train_dataset=Tokens(),
                       callbacks=[ActivationPolicyCallback(HF_AUTO, plan_file=big)])
     with pytest.raises(PolicyApplyError, match=re.escape(
             f"{big} predicts a peak of 4MiB, above this policy's memory_budget 400KiB: it was "
@@ -193,7 +188,7 @@ def test_hf_plan_file_refusals_before_training(tmp_path):
 
 def test_hf_label_smoothing_is_refused_before_the_first_step(tmp_path):
     callback = ActivationPolicyCallback(HF_AUTO)
-    trainer = Trainer(model=tiny_llama(), args=hf_arguments(tmp_path, label_smoothing_factor=0.1),
+    trainer = Trainer(model=dropout_llama(), args=hf_arguments(tmp_path, label_smoothing_factor=0.1),
                       train_dataset=Tokens(), callbacks=[callback])
     with pytest.raises(PolicyApplyError, match=re.escape(
             "checkpoint.mode auto plans on the first batch, in the training process, and "
@@ -211,7 +206,7 @@ def test_hf_outputs_without_a_loss_are_refused_on_the_first_batch(tmp_path):
     def loss_of(outputs, labels, num_items_in_batch=None):
         return outputs.logits.float().square().mean()
 
-    trainer = Trainer(model=tiny_llama(), args=hf_arguments(tmp_path), train_dataset=Tokens(),
+    trainer = Trainer(model=dropout_llama(), args=hf_arguments(tmp_path), train_dataset=Tokens(),
                       callbacks=[callback], compute_loss_func=loss_of)
     with pytest.raises(PolicyApplyError, match=re.escape(
             "checkpoint.mode auto profiles steps with the loss Trainer.compute_loss takes from the "
@@ -225,7 +220,7 @@ def test_hf_auto_beside_the_trainers_own_checkpointing_is_refused(tmp_path):
 
     new_name = "activation_checkpointing" in {f.name for f in dataclasses.fields(TrainingArguments)}
     on = {"activation_checkpointing" if new_name else "gradient_checkpointing": True}
-    trainer = Trainer(model=tiny_llama(), args=hf_arguments(tmp_path, **on), train_dataset=Tokens(),
+    trainer = Trainer(model=dropout_llama(), args=hf_arguments(tmp_path, **on), train_dataset=Tokens(),
                       callbacks=[ActivationPolicyCallback(HF_AUTO)])
     with pytest.raises(PolicyApplyError, match=re.escape(
             "TrainingArguments(gradient_checkpointing=True) and the actcfg policy's "

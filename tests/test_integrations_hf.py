@@ -38,6 +38,7 @@ try:
     from tests._deepspeed_env import ds_env, ds_globals
 except ImportError:  # pytest's rootdir-relative import mode
     from _deepspeed_env import ds_env, ds_globals
+from _helpers import tiny_llama  # noqa: E402
 
 __all__ = ["ds_env"]
 
@@ -66,15 +67,6 @@ def enable_hf_checkpointing(model: Any) -> None:
         model.activation_checkpointing_enable()
     else:
         model.gradient_checkpointing_enable()
-
-
-def tiny_llama(layers: int = LAYERS, seed: int = 0) -> LlamaForCausalLM:
-    """A randomly initialised Llama small enough to train on the CPU in a fraction of a second."""
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    ))
 
 
 def dataset(n: int = 12, seq: int = 16) -> list[dict[str, torch.Tensor]]:
@@ -147,7 +139,7 @@ def test_import_actcfg_leaves_transformers_and_lightning_out():
 
 
 def test_each_checkpointed_layer_recomputes_once_per_step(tmp_path):
-    plain, policy = tiny_llama(), tiny_llama()
+    plain, policy = tiny_llama(LAYERS), tiny_llama(LAYERS)
     plain_calls, policy_calls = count_mlp_calls(plain), count_mlp_calls(policy)
     train(tmp_path / "plain", plain)
     train(tmp_path / "policy", policy, ActivationPolicyCallback(FULL))
@@ -156,7 +148,7 @@ def test_each_checkpointed_layer_recomputes_once_per_step(tmp_path):
 
 
 def test_trained_weights_and_names_equal_the_plain_run(tmp_path):
-    plain, policy = tiny_llama(), tiny_llama()
+    plain, policy = tiny_llama(LAYERS), tiny_llama(LAYERS)
     names = [n for n, _ in policy.named_parameters()]
     keys = list(policy.state_dict())
     callback = ActivationPolicyCallback(FULL)
@@ -170,11 +162,11 @@ def test_trained_weights_and_names_equal_the_plain_run(tmp_path):
     want = dict(plain.named_parameters())
     for name, p in policy.named_parameters():
         assert torch.allclose(p, want[name], rtol=1e-6, atol=1e-7), name
-    assert any(not torch.equal(p, q.to(p.device)) for p, q in zip(policy.parameters(), tiny_llama().parameters()))
+    assert any(not torch.equal(p, q.to(p.device)) for p, q in zip(policy.parameters(), tiny_llama(LAYERS).parameters()))
 
 
 def test_the_policy_is_live_during_training_and_removed_at_the_end(tmp_path):
-    model = tiny_llama()
+    model = tiny_llama(LAYERS)
     callback = ActivationPolicyCallback(FULL)
     spy = Spy(callback)
     before = module_state(model)
@@ -189,7 +181,7 @@ def test_the_policy_is_live_during_training_and_removed_at_the_end(tmp_path):
 
 
 def test_a_second_train_after_a_failed_one_starts_from_a_clean_model(tmp_path):
-    model = tiny_llama()
+    model = tiny_llama(LAYERS)
     callback = ActivationPolicyCallback(FULL)
     before = module_state(model)
 
@@ -208,7 +200,7 @@ def test_a_second_train_after_a_failed_one_starts_from_a_clean_model(tmp_path):
 
 
 def test_checkpointed_layers_that_no_gradient_reaches_are_refused_after_the_first_step(tmp_path):
-    model = tiny_llama()
+    model = tiny_llama(LAYERS)
     model.model.requires_grad_(False)  # only lm_head trains: backward never enters the layers
     steps = Spy()
     want = (
@@ -229,7 +221,7 @@ def test_checkpointed_layers_that_no_gradient_reaches_are_refused_after_the_firs
 
 
 def test_gradient_checkpointing_true_is_refused_before_the_first_step(tmp_path):
-    model = tiny_llama()
+    model = tiny_llama(LAYERS)
     calls = count_mlp_calls(model)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "`gradient_checkpointing` is deprecated", FutureWarning)
@@ -243,7 +235,7 @@ def test_gradient_checkpointing_true_is_refused_before_the_first_step(tmp_path):
 
 @pytest.mark.skipif(not NEW_NAMES, reason="this transformers has no activation_checkpointing argument")
 def test_activation_checkpointing_true_is_refused_the_same_way(tmp_path):
-    model = tiny_llama()
+    model = tiny_llama(LAYERS)
     calls = count_mlp_calls(model)
     with pytest.raises(PolicyApplyError, match=rf"^{re.escape(STACKED)}$"):
         train(tmp_path, model, ActivationPolicyCallback(FULL), activation_checkpointing=True)
@@ -251,7 +243,7 @@ def test_activation_checkpointing_true_is_refused_the_same_way(tmp_path):
 
 
 def test_a_model_with_hf_checkpointing_already_on_is_refused(tmp_path):
-    model = tiny_llama()
+    model = tiny_llama(LAYERS)
     enable_hf_checkpointing(model)
     calls = count_mlp_calls(model)
     want = (
@@ -269,7 +261,7 @@ def test_a_model_with_hf_checkpointing_already_on_is_refused(tmp_path):
 
 
 def test_a_pattern_that_matches_no_layer_is_refused_before_training_starts(tmp_path):
-    model = tiny_llama()
+    model = tiny_llama(LAYERS)
     calls = count_mlp_calls(model)
     before = module_state(model)
     callback = ActivationPolicyCallback("version: 1\ncheckpoint: {mode: full, modules: [GPT2Block]}\n")
@@ -289,7 +281,7 @@ def test_a_bad_policy_fails_when_the_callback_is_built():
 
 
 def test_use_cache_is_off_while_the_policy_is_on_and_restored_after(tmp_path):
-    model = tiny_llama()
+    model = tiny_llama(LAYERS)
     callback = ActivationPolicyCallback(FULL)
     spy = Spy(callback)
     train(tmp_path, model, callback, spy, use_cache=True)
@@ -301,7 +293,7 @@ def test_use_cache_is_off_while_the_policy_is_on_and_restored_after(tmp_path):
 
 
 def test_external_mode_keeps_hf_checkpointing_and_wraps_nothing(tmp_path):
-    model = tiny_llama()
+    model = tiny_llama(LAYERS)
     calls = count_mlp_calls(model)
     callback = ActivationPolicyCallback(EXTERNAL)
     spy = Spy(callback)
@@ -318,7 +310,7 @@ def test_external_mode_without_hf_checkpointing_is_refused(tmp_path):
         "or write `checkpoint: {mode: full, modules: [...]}`"
     )
     with pytest.raises(PolicyApplyError, match=rf"^{re.escape(want)}$"):
-        train(tmp_path, tiny_llama(), ActivationPolicyCallback(EXTERNAL))
+        train(tmp_path, tiny_llama(LAYERS), ActivationPolicyCallback(EXTERNAL))
 
 
 def test_external_mode_refuses_a_second_offload_by_transformers(tmp_path):
@@ -330,7 +322,7 @@ def test_external_mode_refuses_a_second_offload_by_transformers(tmp_path):
         "`cpu_checkpointing: false`"
     )
     with pytest.raises(PolicyApplyError, match=rf"^{re.escape(want)}$"):
-        train(tmp_path, tiny_llama(), ActivationPolicyCallback(EXTERNAL + "cpu_checkpointing: true\n"),
+        train(tmp_path, tiny_llama(LAYERS), ActivationPolicyCallback(EXTERNAL + "cpu_checkpointing: true\n"),
               **HF_CHECKPOINTING, **{kwargs: {"offload": True}})
 
 
@@ -343,7 +335,7 @@ def test_external_mode_with_backend_deepspeed_is_refused_when_hf_checkpoints(tmp
         "deepspeed.checkpointing.checkpoint"
     )
     with pytest.raises(PolicyApplyError, match=rf"^{re.escape(want)}$"):
-        train(tmp_path, tiny_llama(), ActivationPolicyCallback(EXTERNAL, backend="deepspeed"),
+        train(tmp_path, tiny_llama(LAYERS), ActivationPolicyCallback(EXTERNAL, backend="deepspeed"),
               **HF_CHECKPOINTING)
 
 
@@ -392,7 +384,7 @@ class DeepSpeedSpy(TrainerCallback):
 @pytest.mark.slow
 @pytest.mark.deepspeed
 def test_deepspeed_globals_equal_the_policy_during_training(tmp_path, hf_deepspeed):
-    plain, model = tiny_llama(), tiny_llama()
+    plain, model = tiny_llama(LAYERS), tiny_llama(LAYERS)
     calls = count_mlp_calls(model)
     spy = DeepSpeedSpy(hf_deepspeed)
     train(tmp_path / "plain", plain, deepspeed=ds_config())
@@ -424,7 +416,7 @@ def test_a_configure_call_after_actcfgs_is_caught_after_the_first_step(tmp_path,
     )
     callback = ActivationPolicyCallback(DS_POLICY)
     with pytest.raises(PolicyApplyError, match=rf"^{re.escape(want)}$"):
-        train(tmp_path, tiny_llama(), callback, Reconfigure(), deepspeed=ds_config())
+        train(tmp_path, tiny_llama(LAYERS), callback, Reconfigure(), deepspeed=ds_config())
     assert callback.applied is None
 
 
@@ -433,14 +425,14 @@ def test_a_configure_call_after_actcfgs_is_caught_after_the_first_step(tmp_path,
 def test_a_ds_config_section_that_agrees_is_accepted(tmp_path, hf_deepspeed):
     spy = DeepSpeedSpy(hf_deepspeed)
     section = {"synchronize_checkpoint_boundary": True, "profile": True, "cpu_checkpointing": False}
-    train(tmp_path, tiny_llama(), ActivationPolicyCallback(DS_POLICY), spy, deepspeed=ds_config(section))
+    train(tmp_path, tiny_llama(LAYERS), ActivationPolicyCallback(DS_POLICY), spy, deepspeed=ds_config(section))
     assert [s["synchronize"] for s in spy.seen] == [True] * STEPS
 
 
 @pytest.mark.slow
 @pytest.mark.deepspeed
 def test_a_ds_config_section_that_disagrees_is_refused_naming_both(tmp_path, hf_deepspeed):
-    model = tiny_llama()
+    model = tiny_llama(LAYERS)
     calls = count_mlp_calls(model)
     section = {"synchronize_checkpoint_boundary": False, "cpu_checkpointing": "false", "checkpoint_in_cpu": True}
     want = (
@@ -470,7 +462,7 @@ def test_a_torch_policy_under_deepspeed_refuses_a_section_nobody_would_read(tmp_
         "profile at false; remove the section from the ds_config, or make it agree with the policy"
     )
     with pytest.raises(PolicyApplyError, match=rf"^{re.escape(want)}$"):
-        train(tmp_path, tiny_llama(), ActivationPolicyCallback(policy),
+        train(tmp_path, tiny_llama(LAYERS), ActivationPolicyCallback(policy),
               deepspeed=ds_config({"profile": True}))
 
 

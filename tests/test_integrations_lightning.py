@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from actcfg.errors import ConfigLoadError, PolicyApplyError  # noqa: E402
 from actcfg.integrations.lightning import ActivationPolicy  # noqa: E402
 from actcfg.probes import BlockStack  # noqa: E402
+from _helpers import tiny_llama  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 3
@@ -264,12 +265,8 @@ class Llama(pl.LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
-        transformers = pytest.importorskip("transformers")
-        torch.manual_seed(0)
-        self.llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        ))
+        pytest.importorskip("transformers")
+        self.llama = tiny_llama()
         self.use_cache_seen: list[bool] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

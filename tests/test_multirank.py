@@ -32,6 +32,10 @@ try:
 except ImportError:  # tests/ is not a package: pytest puts tests/ itself on sys.path
     from _multirank import (WORLD, finish, free_port, gloo_or_skip, init_group, run_ranks,
                             write_result)
+try:
+    from tests._helpers import grads_of, max_rel_error, offload_blocks, train_step
+except ImportError:
+    from _helpers import grads_of, max_rel_error, offload_blocks, train_step
 
 # Spawned ranks start a fresh interpreter each (torch, and DeepSpeed for some): the quick inner
 # loop (`pytest -m "not slow"`) leaves them to CI.
@@ -42,37 +46,6 @@ FULL_OFFLOAD = {**FULL, "cpu_checkpointing": True}
 SMALL = 1 << 14  # min_offload_bytes for these small models: a block input is 32 KiB per rank
 STEPS = 2
 N_BLOCKS = 4
-
-
-def make(n: int = N_BLOCKS) -> tuple[nn.Module, torch.Tensor]:
-    """The same small transformer stack and global batch on every rank (seeded)."""
-    from actcfg.probes import blocks
-
-    torch.manual_seed(0)
-    return blocks(n=n, d_model=64, heads=4, ffn=128, batch=4, seq=64, dtype=torch.float32,
-                  device="cpu")
-
-
-def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Each parameter's whole gradient (a sharded DTensor's gathered with full_tensor)."""
-    out = {}
-    for name, p in model.named_parameters():
-        g = p.grad
-        out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
-    return out
-
-
-def train_step(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    model(x).square().mean().backward()
-    return full_grads(model)
-
-
-def max_rel_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    """max over parameters of max|got - want| / max|want|; inf when a gradient is missing."""
-    if got.keys() != want.keys():
-        return float("inf")
-    return max(float((got[k] - want[k]).abs().max() / want[k].abs().max()) for k in want)
 
 
 # --- FSDP2 across two ranks ---------------------------------------------------------------------
@@ -97,13 +70,13 @@ def _fsdp_worker(rank: int, out_dir: str, port: int) -> None:
 
     init_group(rank, port)
     mesh = init_device_mesh("cpu", (WORLD,))
-    reference, x = make()
+    reference, x = offload_blocks(N_BLOCKS)
     want = train_step(reference, x)  # one unsharded process, the whole global batch
     local = x.chunk(WORLD)[rank]  # FSDP2 averages the ranks' gradients: the global mean's
     result = {}
     for order in ORDERS:
         for name, cfg in FSDP_CASES.items():
-            model, _ = make()
+            model, _ = offload_blocks(N_BLOCKS)
             with host_loopback():
                 if order == "apply-then-shard":
                     handle = actcfg.apply(model, cfg)
@@ -202,7 +175,7 @@ def _partition_run(model: nn.Module, x: torch.Tensor, cfg: dict, mpu: Any) -> di
         held = held_by_deepspeed(out)
         out.square().mean().backward()
         del out
-    got = full_grads(model)
+    got = grads_of(model)
     report = handle.report()
     handle.remove()
     return {
@@ -233,16 +206,16 @@ def _partition_worker(rank: int, out_dir: str, port: int) -> None:
     import actcfg
 
     init_group(rank, port, deepspeed=True)
-    model, x = make()
+    model, x = offload_blocks(N_BLOCKS)
     # The control: checkpointing alone, no model-parallel group; DeepSpeed keeps whole inputs.
     unpartitioned = {**PARTITION, "partition": False}
     result: dict[str, Any] = {"checkpoint only": _partition_run(model, x, unpartitioned, None)}
     for name, extra in PARTITION_CASES.items():
-        model, x = make()  # the same weights and input on both ranks, as tensor-parallel ranks see
+        model, x = offload_blocks(N_BLOCKS)  # the same weights and input on both ranks, as tensor-parallel ranks see
         result[name] = _partition_run(model, x, {**PARTITION, **extra}, dist.group.WORLD)
 
     mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))
-    model, x = make()
+    model, x = offload_blocks(N_BLOCKS)
     result["2-D mesh"] = _refusal(lambda: actcfg.apply(model, PARTITION, mpu=mesh))
     result["mesh['tp']"] = _partition_run(model, x, PARTITION, mesh["tp"])
 
@@ -321,7 +294,7 @@ def _engine_run(cfg: dict | None, backend: str | None, x: torch.Tensor) -> dict[
 
     import actcfg
 
-    model, _ = make()
+    model, _ = offload_blocks(N_BLOCKS)
     handle = actcfg.apply(model, cfg, backend=backend) if cfg else None
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
@@ -346,7 +319,7 @@ def _zero3_worker(rank: int, out_dir: str, port: int) -> None:
     import torch.nn.functional as F
 
     init_group(rank, port, deepspeed=True)
-    _, x = make()
+    _, x = offload_blocks(N_BLOCKS)
     local = x.chunk(WORLD)[rank]  # data parallel: each rank trains on its half of the batch
     linear = F.linear
     result = {}

@@ -22,6 +22,7 @@ from actcfg.plan.write import policy_text  # noqa: E402
 from actcfg.probes import blocks  # noqa: E402
 from actcfg.api import apply  # noqa: E402
 from actcfg.policy.schema import Policy  # noqa: E402
+from _helpers import grads_of  # noqa: E402
 
 pytestmark = [
     pytest.mark.cuda,
@@ -39,10 +40,6 @@ def small_blocks():
 def profiled():
     model, x = small_blocks()
     return model, x, profile(model, ("Block",), x, apply=apply)
-
-
-def _grads(model):
-    return {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
 
 
 def test_every_uniform_choice_predicts_what_it_measured(profiled):
@@ -74,10 +71,10 @@ def test_a_plan_stays_within_its_budget_with_the_plain_gradients(profiled, fract
     rules = load(policy_text(plan, prof, source))
     plain = copy.deepcopy(model)
     measure_steps(plain, x, steps=1)
-    want = _grads(plain)
+    want = grads_of(plain, as_float=True)
     with apply(model, rules):
         _, peak = measure_steps(model, x, steps=3)
-        got = _grads(model)
+        got = grads_of(model, as_float=True)
     assert peak <= budget, (plan.choices, peak, budget)
     assert peak == pytest.approx(plan.peak, rel=0.10)
     # the predicted step time is checked in benchmarks/plan_bench.py, over repeated runs: a
@@ -119,7 +116,7 @@ def test_keep_last_holds_the_newest_groups_and_skips_their_copies():
     model, x = small_blocks()
     plain = copy.deepcopy(model)
     measure_steps(plain, x, steps=1)
-    want = _grads(plain)
+    want = grads_of(plain, as_float=True)
     seen = {}
     for keep_last in (0, 2):
         cfg = {"version": 1, "checkpoint": {"mode": "rules", "keep_last": keep_last, "rules": [

@@ -13,6 +13,7 @@ import torch
 
 import actcfg
 from actcfg import probes
+from _helpers import grads_of
 
 pytestmark = [
     pytest.mark.cuda,
@@ -34,10 +35,6 @@ def _small_stack():
     return probes.blocks(n=6, d_model=512, heads=8, ffn=2048, batch=4, seq=512, dtype=torch.float32)
 
 
-def _grads(model):
-    return [p.grad.detach().clone() for p in model.parameters()]
-
-
 def test_200_steps_memory_flat_and_gradients_equal_every_step():
     plain, x = _small_stack()
     model = copy.deepcopy(plain)
@@ -50,7 +47,7 @@ def test_200_steps_memory_flat_and_gradients_equal_every_step():
         for m, o in ((plain, opt_plain), (model, opt)):
             o.zero_grad(set_to_none=True)
             m(x).square().mean().backward()
-        for a, b in zip(_grads(plain), _grads(model)):
+        for a, b in zip(grads_of(plain).values(), grads_of(model).values()):
             worst = max(worst, ((a - b).norm() / a.norm().clamp_min(1e-30)).item())
         opt_plain.step()
         opt.step()
@@ -115,11 +112,11 @@ def test_exception_in_forward_and_backward_then_training_and_remove_still_work()
     for m in (plain, model):
         m.zero_grad(set_to_none=True)
         m(x).square().mean().backward()
-    for a, b in zip(_grads(plain), _grads(model)):
+    for a, b in zip(grads_of(plain).values(), grads_of(model).values()):
         assert ((a - b).norm() / a.norm()).item() <= 1e-6
     handle.remove()
     assert [n for n, _ in model.named_parameters()] == names
     model.zero_grad(set_to_none=True)
     model(x).square().mean().backward()  # the plain model again: no hooks left behind
-    for a, b in zip(_grads(plain), _grads(model)):
+    for a, b in zip(grads_of(plain).values(), grads_of(model).values()):
         assert ((a - b).norm() / a.norm()).item() <= 1e-6

@@ -15,6 +15,7 @@ from actcfg.errors import ActcfgError, PolicyApplyError
 from actcfg.probes import Block, blocks, linear_chain
 from actcfg.api import AppliedPolicy, apply
 from actcfg.runtime.wrap import select_modules
+from _helpers import offload_blocks, saved_bytes, small_blocks, train_step
 
 API = "torch.utils.checkpoint.checkpoint"
 NON_REENTRANT = {"use_reentrant": False, "preserve_rng_state": True}
@@ -32,21 +33,9 @@ def policy(mode: str, modules: list[str]) -> dict:
     return {"version": 1, "checkpoint": {**MODES[mode][0], "modules": modules}}
 
 
-def small_blocks(n: int = 4) -> tuple[nn.Module, torch.Tensor]:
-    torch.manual_seed(0)
-    return blocks(n=n, d_model=32, heads=4, ffn=64, batch=2, seq=8, dtype=torch.float32, device="cpu")
-
-
 def small_chain(n: int = 4) -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     return linear_chain(n=n, width=16, shape=(8,), dtype=torch.float32, device="cpu")
-
-
-def step(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """One forward+backward; the gradients by parameter name."""
-    model.zero_grad(set_to_none=True)
-    model(x).square().mean().backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def names(model: nn.Module) -> tuple:
@@ -180,8 +169,8 @@ def test_gradients_identical_to_plain_model(mode, probe):
     plain = copy.deepcopy(model)
     pattern = "Block" if probe is small_blocks else "Linear"
     apply(model, policy(mode, [pattern]))
-    want = step(plain, x)
-    got = step(model, x)
+    want = train_step(plain, x)
+    got = train_step(model, x)
     assert got.keys() == want.keys()
     for name in want:
         assert torch.equal(got[name], want[name]), name  # CPU fp32: bitwise
@@ -261,12 +250,12 @@ def test_deepcopy_is_independent_and_uses_its_own_weights(mode):
     expected = small_blocks()[0]
     expected.load_state_dict(twin.state_dict())
     torch.testing.assert_close(twin(x), expected(x), rtol=0, atol=0)
-    assert step(twin, x).keys() == step(expected, x).keys()
-    for (n, g), (_, w) in zip(step(twin, x).items(), step(expected, x).items()):
+    assert train_step(twin, x).keys() == train_step(expected, x).keys()
+    for (n, g), (_, w) in zip(train_step(twin, x).items(), train_step(expected, x).items()):
         assert torch.equal(g, w), n
     # ...and the original still computes with its own.
     torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
-    for (n, g), (_, w) in zip(step(model, x).items(), step(reference, x).items()):
+    for (n, g), (_, w) in zip(train_step(model, x).items(), train_step(reference, x).items()):
         assert torch.equal(g, w), n
     assert all(p.grad is None or not torch.equal(p.grad, q.grad)
                for p, q in zip(model.parameters(), twin.parameters()) if p.grad is not None)
@@ -343,7 +332,7 @@ def test_an_instance_forward_set_before_apply_is_wrapped_and_restored():
 
     block.forward = spy
     handle = apply(model, policy("reentrant", ["Block"]))
-    step(model, x)
+    train_step(model, x)
     assert len(calls) == 2  # forward, then the recompute in backward
     handle.remove()
     assert block.forward is spy
@@ -487,9 +476,9 @@ def test_an_exception_in_forward_leaves_the_next_step_working(mode):
     handle = apply(model, policy(mode, ["Flaky"]))
     model[2].fail = True
     with pytest.raises(RuntimeError, match="^boom$"):
-        step(model, x)
+        train_step(model, x)
     model[2].fail = False
-    want, got = step(plain, x), step(model, x)
+    want, got = train_step(plain, x), train_step(model, x)
     for name in want:
         assert torch.equal(got[name], want[name]), name
     handle.remove()
@@ -526,9 +515,9 @@ def test_an_exception_in_backward_leaves_the_next_step_working(mode):
     handle = apply(model, policy(mode, ["FlakyBackward"]))
     _FailInBackward.armed = True
     with pytest.raises(RuntimeError, match="^boom in backward$"):
-        step(model, x)
+        train_step(model, x)
     assert not _FailInBackward.armed
-    want, got = step(plain, x), step(model, x)
+    want, got = train_step(plain, x), train_step(model, x)
     for name in want:
         assert torch.equal(got[name], want[name]), name
     handle.remove()
@@ -546,12 +535,6 @@ def loopback():
         yield
 
 
-def big_blocks(n: int = 3) -> tuple[nn.Module, torch.Tensor]:
-    """Blocks whose inputs (64 KiB) pass a lowered min_offload_bytes."""
-    torch.manual_seed(0)
-    return blocks(n=n, d_model=64, heads=4, ffn=128, batch=4, seq=64, dtype=torch.float32, device="cpu")
-
-
 def apply_offload(model: nn.Module, cfg: dict) -> AppliedPolicy:
     handle = apply(model, cfg)
     handle.engine.min_offload_bytes = 1 << 14
@@ -559,19 +542,21 @@ def apply_offload(model: nn.Module, cfg: dict) -> AppliedPolicy:
 
 
 def test_offload_groups_are_the_block_children_and_every_group_but_the_last_moves(loopback):
-    model, x = big_blocks(3)
+    model, x = offload_blocks(3)
     plain = copy.deepcopy(model)
     before = module_state(model)
     handle = apply_offload(model, {"version": 1, "cpu_checkpointing": True, "pin_budget": "1GiB"})
     assert handle.offload.groups == ("blocks.0", "blocks.1", "blocks.2")
     assert handle.offload.grouping == "children of `blocks`"
     assert handle.offload.pin is False  # nothing is pinned on the host loopback
-    want, got = step(plain, x), step(model, x)
+    want, got = train_step(plain, x), train_step(model, x)
     for name in want:
         assert torch.equal(got[name], want[name]), name
     stats = handle.engine.stats
     assert stats.steps == 1 and stats.groups == 4  # one open before the first mark
-    assert stats.offloaded_bytes > 0 and stats.reloaded_bytes == stats.offloaded_bytes
+    # everything blocks 0 and 1 save (but parameters and x); block 2 is the last group, kept
+    saved = saved_bytes(plain, x, list(plain.blocks), 1 << 14)
+    assert stats.offloaded_bytes == saved[0] + saved[1] and stats.reloaded_bytes == stats.offloaded_bytes
     assert stats.kept_bytes > 0  # the last block's activations never left
     assert handle.report()["effect"]["offload"]["offloaded_bytes"] == stats.offloaded_bytes
     handle.remove()
@@ -579,7 +564,7 @@ def test_offload_groups_are_the_block_children_and_every_group_but_the_last_move
 
 
 def test_no_grad_forwards_are_not_offloaded(loopback):
-    model, x = big_blocks(3)
+    model, x = offload_blocks(3)
     handle = apply_offload(model, {"version": 1, "cpu_checkpointing": True})
     with torch.no_grad():
         model(x)
@@ -592,12 +577,12 @@ def test_no_grad_forwards_are_not_offloaded(loopback):
 def test_a_training_step_in_eval_mode_offloads_as_in_train_mode(loopback):
     # Autograd saves by grad mode, whatever module.training says: training in eval() (dropout
     # off) offloaded 0 bytes, silently, while the checkpoint still ran (issue 20).
-    model, x = big_blocks(3)
+    model, x = offload_blocks(3)
     plain = copy.deepcopy(model).eval()
     cfg = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]}, "cpu_checkpointing": True}
     handle = apply_offload(model, cfg)
     model.eval()
-    want, got = step(plain, x), step(model, x)
+    want, got = train_step(plain, x), train_step(model, x)
     assert handle.engine.stats.steps == 1
     # block 1's input; block 0's is x, the caller's batch (its owner holds it), and block 2's
     # is the last group, kept on the device
@@ -607,12 +592,12 @@ def test_a_training_step_in_eval_mode_offloads_as_in_train_mode(loopback):
 
 
 def test_checkpoint_inputs_are_what_moves_with_checkpointing(loopback):
-    model, x = big_blocks(4)
+    model, x = offload_blocks(4)
     plain = copy.deepcopy(model)
     cfg = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]}, "cpu_checkpointing": True}
     handle = apply_offload(model, cfg)
     assert handle.offload.groups == ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
-    want, got = step(plain, x), step(model, x)
+    want, got = train_step(plain, x), train_step(model, x)
     for name in want:
         assert torch.equal(got[name], want[name]), name
     # Blocks 1 and 2 each move one input of x's size; block 0's is x itself, the caller's batch,
@@ -624,7 +609,8 @@ def test_checkpoint_inputs_are_what_moves_with_checkpointing(loopback):
 
 
 def test_every_2_offloads_what_the_unchecked_blocks_save_with_the_group_before(loopback):
-    model, x = big_blocks(4)
+    model, x = offload_blocks(4)
+    plain = copy.deepcopy(model)
     cfg = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"], "every": 2},
            "cpu_checkpointing": True}
     handle = apply_offload(model, cfg)
@@ -632,8 +618,12 @@ def test_every_2_offloads_what_the_unchecked_blocks_save_with_the_group_before(l
     assert handle.offload.grouping == (
         "the checkpointed modules (one in every 2 matches; what the modules between them save is "
         "offloaded with the group before it)")
-    step(model, x)
-    assert handle.engine.stats.groups == 3 and handle.engine.stats.offloaded_bytes > 0
+    train_step(model, x)
+    # group blocks.1 also carries what the unchecked block 2 saves; group 0 what block 0 saves;
+    # blocks.3 is the last group, kept
+    saved = saved_bytes(plain, x, list(plain.blocks), 1 << 14)
+    assert handle.engine.stats.groups == 3
+    assert handle.engine.stats.offloaded_bytes == saved[0] + x.nbytes + saved[2]
 
 
 def test_offload_step_is_closed_when_forward_raises(loopback):
@@ -647,7 +637,7 @@ def test_offload_step_is_closed_when_forward_raises(loopback):
         model(torch.randn(2, 16))
     assert handle.engine._step is None  # the scope closed with the exception
     model[1].fail = False
-    step(model, torch.randn(2, 16))
+    train_step(model, torch.randn(2, 16))
     assert handle.engine.stats.steps == 2
 
 
@@ -711,7 +701,7 @@ def test_each_module_runs_its_rule_first_match_wins_and_remove_restores_everythi
     assert handle.ruled == ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
     assert handle.engine is None and handle.offload is None  # no rule offloads
     assert names(model) == named
-    want, got = step(plain, x), step(model, x)
+    want, got = train_step(plain, x), train_step(model, x)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6)
     assert [c.to_json() for c in handle.rule_counters] == [
@@ -731,7 +721,7 @@ def test_selective_rule_recomputes_only_what_it_does_not_save():
 
     def flops() -> int:
         with FlopCounterMode(display=False) as counter:
-            step(model, x)
+            train_step(model, x)
         return sum(counter.get_flop_counts()["Global"].values())
 
     plain = flops()
@@ -742,7 +732,7 @@ def test_selective_rule_recomputes_only_what_it_does_not_save():
 
 
 def test_rules_offload_only_the_groups_whose_rule_says_so(loopback):
-    model, x = big_blocks(4)
+    model, x = offload_blocks(4)
     plain = copy.deepcopy(model)
     handle = apply_offload(model, rules_policy(
         {"modules": ["blocks.0"], "mode": "none", "cpu_checkpointing": True},
@@ -753,7 +743,7 @@ def test_rules_offload_only_the_groups_whose_rule_says_so(loopback):
     ))
     assert handle.offload.scope == "rules" and handle.offload.groups == tuple(f"blocks.{i}" for i in range(4))
     assert (handle.engine.keep_last, handle.engine.max_inflight) == (0, 1)
-    want, got = step(plain, x), step(model, x)
+    want, got = train_step(plain, x), train_step(model, x)
     for name in want:
         assert torch.equal(got[name], want[name]), name
     groups = {g["module"]: g for g in handle.offload_groups()}
@@ -770,12 +760,12 @@ def test_rules_offload_only_the_groups_whose_rule_says_so(loopback):
 
 
 def test_rules_keep_last_keeps_the_newest_offloaded_modules_from_the_second_step(loopback):
-    model, x = big_blocks(4)
+    model, x = offload_blocks(4)
     handle = apply_offload(model, rules_policy({"modules": ["Block"], "mode": "none", "cpu_checkpointing": True},
                                                keep_last=2, max_inflight=2))
     assert (handle.engine.keep_last, handle.engine.max_inflight) == (2, 2)
-    step(model, x)
-    step(model, x)
+    train_step(model, x)
+    train_step(model, x)
     moved = [g["module"] for g in handle.offload_groups() if g["offloaded_bytes"]]
     assert moved == ["blocks.0", "blocks.1"]
 

@@ -18,24 +18,13 @@ from torch import nn
 from actcfg.errors import ActcfgError, PolicyApplyError
 from actcfg.runtime.offload import OffloadWarning, host_loopback
 from actcfg import apply, strip_policy
-from actcfg.verification.models import blocks
+from _helpers import offload_blocks, train_step
 
 
 @pytest.fixture
 def loopback():
     with host_loopback():
         yield
-
-
-def small() -> tuple[nn.Module, torch.Tensor]:
-    torch.manual_seed(0)
-    return blocks(n=3, d_model=64, heads=4, ffn=128, batch=4, seq=64, dtype=torch.float32, device="cpu")
-
-
-def grads(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    model(x).square().mean().backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def carried(model: nn.Module) -> list[str]:
@@ -58,7 +47,7 @@ POLICIES = {
 
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_a_copy_whose_original_was_removed_can_be_stripped(loopback, name):
-    model, x = small()
+    model, x = offload_blocks()
     plain = copy.deepcopy(model)
     handle = apply(model, POLICIES[name])
     twin = copy.deepcopy(model)
@@ -72,16 +61,16 @@ def test_a_copy_whose_original_was_removed_can_be_stripped(loopback, name):
     assert strip_policy(twin) > 0
     assert carried(twin) == [] and strip_policy(twin) == 0
     torch.save(twin, io.BytesIO())  # plain again: saved whole, applied again
-    want = grads(plain, x)
-    for n, g in grads(twin, x).items():
+    want = train_step(plain, x)
+    for n, g in train_step(twin, x).items():
         assert torch.equal(g, want[n]), n
     with apply(twin, POLICIES["full"]) as again:
-        grads(twin, x)
+        train_step(twin, x)
         assert again.counters.recomputes == 3
 
 
 def test_a_model_whose_handle_is_live_is_not_stripped():
-    model, _ = small()
+    model, _ = offload_blocks()
     handle = apply(model, POLICIES["full"])
     before = carried(model)
     for target in (model, model.blocks[1]):
@@ -95,35 +84,40 @@ def test_a_model_whose_handle_is_live_is_not_stripped():
 
 
 def test_stripping_a_copy_leaves_the_live_original_offloading(loopback):
-    model, x = small()
+    model, x = offload_blocks()
     handle = apply(model, POLICIES["offload"])
     handle.engine.min_offload_bytes = 1 << 14
     strip_policy(copy.deepcopy(model))
-    grads(model, x)
-    assert handle.engine.stats.steps == 1 and handle.engine.stats.offloaded_bytes == 2 * x.nbytes
+    train_step(model, x)
+    # block 1's input; block 0's is x, the caller's batch (its owner holds it), and block 2's is
+    # the last group, kept on the device
+    assert handle.engine.stats.steps == 1 and handle.engine.stats.offloaded_bytes == x.nbytes
     handle.remove()
 
 
-@pytest.mark.parametrize("ckpt", [
-    {"mode": "rules", "rules": [{"modules": ["BlockStack"], "mode": "none", "cpu_checkpointing": True}]},
-    {"mode": "rules", "rules": [{"modules": ["BlockStack"], "mode": "full", "cpu_checkpointing": True}]},
+@pytest.mark.parametrize(("ckpt", "why"), [
+    ({"mode": "rules", "rules": [{"modules": ["BlockStack"], "mode": "none", "cpu_checkpointing": True}]},
+     "were saved in the last group, which stays on the GPU for backward"),
+    # checkpointed, the root saves only its input: x, the caller's batch, which stays by rule
+    ({"mode": "rules", "rules": [{"modules": ["BlockStack"], "mode": "full", "cpu_checkpointing": True}]},
+     "every large saved tensor stays in place by rule (65.5 kB as input)"),
 ])
-def test_an_offload_rule_on_the_root_opens_one_step_and_says_why_nothing_moved(loopback, ckpt):
+def test_an_offload_rule_on_the_root_opens_one_step_and_says_why_nothing_moved(loopback, ckpt, why):
     # The root's pre-hook opened a step, its forward closed it (empty: "no saved activation
     # reached the offload hooks") and opened a second one.
-    model, x = small()
+    model, x = offload_blocks()
     plain = copy.deepcopy(model)
     handle = apply(model, {"version": 1, "checkpoint": ckpt})
     handle.engine.min_offload_bytes = 1 << 14
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = grads(model, x)
+        got = train_step(model, x)
     assert handle.engine.stats.steps == 1
     assert [g["module"] for g in handle.offload_groups()] == [""]
     messages = [str(w.message) for w in caught if issubclass(w.category, OffloadWarning)]
     assert len(messages) == 1
-    assert "were saved in the last group, which stays on the GPU for backward" in messages[0]
-    want = grads(plain, x)
+    assert why in messages[0]
+    want = train_step(plain, x)
     for n, g in got.items():
         assert torch.equal(g, want[n]), n
     handle.remove()

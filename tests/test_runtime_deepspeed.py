@@ -23,8 +23,9 @@ except ImportError:  # pytest's rootdir-relative import mode
 
 from actcfg.runtime import deepspeed_applier as _apply_deepspeed
 from actcfg.errors import PolicyApplyError
-from actcfg.probes import blocks, linear_chain
+from actcfg.probes import linear_chain
 from actcfg.api import apply, mpu_from_group
+from _helpers import small_blocks, train_step
 
 __all__ = ["ds_env"]
 
@@ -37,17 +38,6 @@ DEFAULTS = {"partition_activations": False, "contiguous_checkpointing": False, "
 def ds_policy(**extra) -> dict:
     return {"version": 1, "backend": "deepspeed",
             "checkpoint": {"mode": "full", "modules": ["Block"]}, **extra}
-
-
-def small_blocks(n: int = 3) -> tuple[nn.Module, torch.Tensor]:
-    torch.manual_seed(0)
-    return blocks(n=n, d_model=32, heads=4, ffn=64, batch=2, seq=8, dtype=torch.float32, device="cpu")
-
-
-def grads(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    model(x).square().mean().backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def module_state(model: nn.Module) -> list:
@@ -85,7 +75,7 @@ def test_the_read_back_table_is_what_configure_sets(ckpt, kwargs):
 
 
 def test_configures_every_kwarg_and_reads_the_state_back(ckpt):
-    model, x = small_blocks()
+    model, x = small_blocks(3)
     handle = apply(model, ds_policy(synchronize=True, profile=True))
     want = {**DEFAULTS, "synchronize": True, "profile": True}
     assert ds_globals(ckpt) == want
@@ -103,14 +93,14 @@ def test_configures_every_kwarg_and_reads_the_state_back(ckpt):
 
 
 def test_backend_argument_overrides_the_policy_backend(ckpt):
-    model, _ = small_blocks()
+    model, _ = small_blocks(3)
     cfg = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]}}
     with apply(model, cfg, backend="deepspeed") as handle:
         assert handle.checkpoint_api == "deepspeed.checkpointing.checkpoint"
 
 
 def test_routes_through_deepspeed_checkpoint_with_same_gradients(ckpt, monkeypatch):
-    model, x = small_blocks()
+    model, x = small_blocks(3)
     plain = copy.deepcopy(model)
     calls = []
     real = ckpt.CheckpointFunction.apply
@@ -121,7 +111,7 @@ def test_routes_through_deepspeed_checkpoint_with_same_gradients(ckpt, monkeypat
 
     monkeypatch.setattr(ckpt.CheckpointFunction, "apply", counting)
     with apply(model, ds_policy()):
-        got, want = grads(model, x), grads(plain, x)
+        got, want = train_step(model, x), train_step(plain, x)
         assert len(calls) == 3  # one DeepSpeed checkpoint per block, per forward
         for name in want:
             assert torch.equal(got[name], want[name]), name
@@ -136,20 +126,20 @@ def test_first_module_gets_gradients_although_the_input_needs_none(ckpt):
     cfg = {"version": 1, "backend": "deepspeed", "checkpoint": {"mode": "full", "modules": ["Linear"]}}
     with apply(model, cfg):
         assert not x.requires_grad
-        got, want = grads(model, x), grads(plain, x)
+        got, want = train_step(model, x), train_step(plain, x)
     for name in want:
         assert torch.equal(got[name], want[name]), name
 
 
 def test_names_and_state_dict_unchanged_and_remove_restores(ckpt):
-    model, x = small_blocks()
+    model, x = small_blocks(3)
     names = ([n for n, _ in model.named_modules()], [n for n, _ in model.named_parameters()],
              list(model.state_dict()))
     before = module_state(model)
     handle = apply(model, ds_policy(synchronize=True))
     assert ([n for n, _ in model.named_modules()], [n for n, _ in model.named_parameters()],
             list(model.state_dict())) == names
-    fresh = small_blocks()[0]
+    fresh = small_blocks(3)[0]
     fresh.load_state_dict(model.state_dict(), strict=True)
     model.load_state_dict(fresh.state_dict(), strict=True)
     handle.remove()
@@ -159,25 +149,25 @@ def test_names_and_state_dict_unchanged_and_remove_restores(ckpt):
 
 def test_remove_restores_the_state_from_before_apply(ckpt):
     ckpt.configure(None, synchronize=True)
-    model, _ = small_blocks()
+    model, _ = small_blocks(3)
     apply(model, ds_policy(profile=True)).remove()
     assert ds_globals(ckpt) == {**DEFAULTS, "synchronize": True}
 
 
 def test_deepcopy_routes_with_its_own_weights(ckpt):
-    model, x = small_blocks()
+    model, x = small_blocks(3)
     with apply(model, ds_policy()):
         reference = copy.deepcopy(model)
         twin = copy.deepcopy(model)
         with torch.no_grad():
             for p in twin.parameters():
                 p.mul_(0.5)
-        expected = small_blocks()[0]
+        expected = small_blocks(3)[0]
         expected.load_state_dict(twin.state_dict())
         torch.testing.assert_close(twin(x), expected(x), rtol=0, atol=0)
-        for (n, g), (_, w) in zip(grads(twin, x).items(), grads(expected, x).items()):
+        for (n, g), (_, w) in zip(train_step(twin, x).items(), train_step(expected, x).items()):
             assert torch.equal(g, w), n
-        for (n, g), (_, w) in zip(grads(model, x).items(), grads(reference, x).items()):
+        for (n, g), (_, w) in zip(train_step(model, x).items(), train_step(reference, x).items()):
             assert torch.equal(g, w), n
 
 
@@ -210,7 +200,7 @@ def test_alias_guard_keeps_the_callers_tensor_when_deepspeed_empties_its_input(c
     cfg = {"version": 1, "backend": "deepspeed", "checkpoint": {"mode": "full", "modules": ["1.inner"]}}
     with apply(model, cfg):
         torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
-        got, want = grads(model, x), grads(plain, x)
+        got, want = train_step(model, x), train_step(plain, x)
     for name in want:
         assert torch.equal(got[name], want[name]), name
 
@@ -227,7 +217,7 @@ def test_alias_is_not_a_view_so_it_holds_no_reference_to_the_caller():
 
 
 def test_partition_without_model_parallel_group_is_refused(ckpt):
-    model, _ = small_blocks()
+    model, _ = small_blocks(3)
     before = module_state(model)
     with pytest.raises(PolicyApplyError) as info:
         apply(model, ds_policy(partition=True))
@@ -252,7 +242,7 @@ def test_mpu_from_group_answers_what_deepspeed_asks(ckpt):
     mpu = mpu_from_group(dist.group.WORLD)
     assert (mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size()) == (0, 1)
     assert mpu.get_tensor_model_parallel_group() is dist.group.WORLD
-    model, _ = small_blocks()
+    model, _ = small_blocks(3)
     with apply(model, ds_policy(), mpu=dist.group.WORLD) as handle:  # a group works directly
         assert ckpt.mpu is not None and ckpt.mp_size == 1
         assert handle.deepspeed.mp_size == 1
@@ -262,8 +252,8 @@ def test_mpu_from_group_answers_what_deepspeed_asks(ckpt):
 def test_two_policies_on_the_same_group_share_deepspeed(ckpt):
     import torch.distributed as dist
 
-    a, _ = small_blocks()
-    b, _ = small_blocks()
+    a, _ = small_blocks(3)
+    b, _ = small_blocks(3)
     with apply(a, ds_policy(), mpu=dist.group.WORLD), apply(b, ds_policy(), mpu=dist.group.WORLD):
         assert len(_apply_deepspeed._LIVE) == 2
     assert ckpt.mpu is None
@@ -274,7 +264,7 @@ def test_cpu_checkpointing_on_deepspeeds_cpu_accelerator_is_refused(ckpt):
 
     if get_accelerator().device_name() != "cpu":
         pytest.skip("DeepSpeed runs on a GPU accelerator here")
-    model, _ = small_blocks()
+    model, _ = small_blocks(3)
     before = module_state(model)
     with pytest.raises(PolicyApplyError) as info:
         apply(model, ds_policy(cpu_checkpointing=True))
@@ -288,7 +278,7 @@ def test_cpu_checkpointing_on_deepspeeds_cpu_accelerator_is_refused(ckpt):
 
 
 def test_an_mpu_without_the_queries_is_refused(ckpt):
-    model, _ = small_blocks()
+    model, _ = small_blocks(3)
     with pytest.raises(PolicyApplyError, match=r"^mpu='object' has neither get_tensor_model_parallel_"):
         apply(model, ds_policy(), mpu=object())
 
@@ -315,8 +305,8 @@ def test_num_checkpoints_below_routed_modules_is_refused(ckpt):
 
 
 def test_a_second_policy_with_other_settings_is_refused_while_one_is_live(ckpt):
-    a, _ = small_blocks()
-    b, _ = small_blocks()
+    a, _ = small_blocks(3)
+    b, _ = small_blocks(3)
     with apply(a, ds_policy(synchronize=True)):
         with pytest.raises(PolicyApplyError, match=r"^another DeepSpeed policy is live in this process"):
             apply(b, ds_policy())
@@ -333,7 +323,7 @@ def test_a_state_mismatch_after_configure_fails_loudly_and_undoes(ckpt, monkeypa
         real(mpu, **{**kwargs, "profile": None})
 
     monkeypatch.setattr(ckpt, "configure", lossy)
-    model, _ = small_blocks()
+    model, _ = small_blocks(3)
     before = module_state(model)
     with pytest.raises(PolicyApplyError) as info:
         apply(model, ds_policy(profile=True))
@@ -354,7 +344,7 @@ def test_a_configure_that_fails_half_way_is_undone(ckpt, monkeypatch):
         raise AssertionError("Must specify the number of layers with contiguous memory checkpointing")
 
     monkeypatch.setattr(ckpt, "configure", failing)
-    model, _ = small_blocks()
+    model, _ = small_blocks(3)
     with pytest.raises(PolicyApplyError, match=r"^deepspeed\.checkpointing\.configure refused the "
                        r"policy: AssertionError\('Must specify the number of layers"):
         apply(model, ds_policy())
@@ -363,7 +353,7 @@ def test_a_configure_that_fails_half_way_is_undone(ckpt, monkeypatch):
 
 
 def test_no_grad_forward_bypasses_deepspeed(ckpt, monkeypatch):
-    model, x = small_blocks()
+    model, x = small_blocks(3)
     plain = copy.deepcopy(model)
     calls = []
     monkeypatch.setattr(ckpt.CheckpointFunction, "apply", lambda *a: calls.append(a))
@@ -373,11 +363,11 @@ def test_no_grad_forward_bypasses_deepspeed(ckpt, monkeypatch):
 
 
 def test_an_exception_in_a_routed_forward_leaves_the_next_step_working(ckpt):
-    model, x = small_blocks()
+    model, x = small_blocks(3)
     plain = copy.deepcopy(model)
     with apply(model, ds_policy()):
         with pytest.raises(RuntimeError):
             model(x[..., :5])  # wrong width: fails inside the routed block
-        got, want = grads(model, x), grads(plain, x)
+        got, want = train_step(model, x), train_step(plain, x)
     for name in want:
         assert torch.equal(got[name], want[name]), name

@@ -77,16 +77,6 @@ def transformers() -> Any:
     return pytest.importorskip("transformers")
 
 
-def tiny_llama(transformers: Any) -> Any:
-    import torch
-
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    ))
-
-
 def arguments(transformers: Any, tmp_path: Path, **translated: Any) -> Any:
     return transformers.TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, report_to=[],
@@ -108,9 +98,10 @@ def test_translate_output_is_accepted_by_training_arguments(transformers, tmp_pa
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_translate_output_turns_on_hfs_recompute_in_trainer(transformers, tmp_path, reentrant):
     import torch
+    from _helpers import tiny_llama  # torch: only the tests that train import it
 
     policy = actcfg.load(FULL.replace("}", f", reentrant: {json.dumps(reentrant)}}}"))
-    model = tiny_llama(transformers)
+    model = tiny_llama()
     calls = [0, 0]
     for i, layer in enumerate(model.model.layers):
         layer.mlp.register_forward_pre_hook(lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1))

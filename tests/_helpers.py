@@ -1,0 +1,119 @@
+"""Test scaffolding stated once: the tiny Llama, the small block stack and the gradient comparison.
+
+Test files import these (`from _helpers import ...`; pytest puts tests/ on the path) instead of
+keeping their own copies, so a change to what "the plain gradients" means is made in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from actcfg.probes import blocks
+
+
+def tiny_llama(layers: int = 2, *, seed: int = 0, **config: Any) -> Any:
+    """A randomly initialised Hugging Face Llama small enough to train on the CPU in a fraction of
+    a second; `config` adds or overrides LlamaConfig fields (e.g. attention_dropout)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    fields = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(LlamaConfig(**{**fields, **config}))
+
+
+def small_blocks(n: int = 4) -> tuple[nn.Module, torch.Tensor]:
+    """`n` transformer blocks (d_model 32) and a batch for them, float32 on the CPU, seed 0."""
+    torch.manual_seed(0)
+    return blocks(n=n, d_model=32, heads=4, ffn=64, batch=2, seq=8, dtype=torch.float32, device="cpu")
+
+
+def offload_blocks(n: int = 3) -> tuple[nn.Module, torch.Tensor]:
+    """`n` blocks whose inputs (4 x 64 x 64 float32, 64 KiB) pass a lowered min_offload_bytes
+    (16 KiB), so the loopback engine moves them; float32 on the CPU, seed 0."""
+    torch.manual_seed(0)
+    return blocks(n=n, d_model=64, heads=4, ffn=128, batch=4, seq=64, dtype=torch.float32, device="cpu")
+
+
+def grads_of(model: nn.Module, *, as_float: bool = False, skip_missing: bool = False) -> dict[str, torch.Tensor]:
+    """Each parameter's whole gradient by name (a sharded DTensor's gathered with full_tensor),
+    detached copies; `as_float` upcasts them, `skip_missing` leaves out parameters with no grad."""
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        if g is None and skip_missing:
+            continue
+        g = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach()
+        out[name] = g.float().clone() if as_float else g.clone()
+    return out
+
+
+def train_step(model: nn.Module, x: torch.Tensor, run: nn.Module | None = None) -> dict[str, torch.Tensor]:
+    """One forward (through `run` when given, e.g. a compiled wrapper) and backward of the mean of
+    squares; the gradients by parameter name."""
+    model.zero_grad(set_to_none=True)
+    (model if run is None else run)(x).square().mean().backward()
+    return grads_of(model)
+
+
+def assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                       tol: float | None = None) -> None:
+    """The same parameters, each gradient within `tol` (absolute and relative; None: torch's
+    defaults for the dtype, 0.0: bit-identical)."""
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=tol, atol=tol, msg=name)
+
+
+def assert_grads_within(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rtol: float,
+                        *, check_keys: bool = True) -> None:
+    """Each gradient finite and within `rtol` of the plain one in relative norm (for low-precision
+    runs where elementwise closeness is too strict)."""
+    if check_keys:
+        assert got.keys() == want.keys()
+    for name, w in want.items():
+        g, w = got[name].float(), w.float()
+        assert torch.isfinite(g).all(), name
+        err = float((g - w).norm() / w.norm().clamp_min(1e-30))
+        assert err <= rtol, f"{name}: relative gradient error {err:.3g}"
+
+
+def max_rel_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """max over parameters of max|got - want| / max|want|; inf when a gradient is missing (a
+    number, so a spawned rank can write it to its result file for the parent to judge)."""
+    if got.keys() != want.keys():
+        return float("inf")
+    return max(float((got[k] - want[k]).abs().max() / want[k].abs().max()) for k in want)
+
+
+def saved_bytes(model: nn.Module, x: torch.Tensor, modules: list[nn.Module], min_bytes: int) -> list[int]:
+    """What autograd saves while each of `modules` runs in one plain training step of `model`:
+    bytes of distinct tensors (by data pointer), leaving out parameters, the caller's batch `x` and tensors under
+    `min_bytes` (none of which the offload engine moves). Measured on the plain model, so a test
+    can state exactly what an offloading run of a copy must move."""
+    params = {p.data_ptr() for p in model.parameters()} | {x.data_ptr()}
+    seen: list[set[int]] = [set() for _ in modules]
+    sizes: dict[int, int] = {}
+    current: list[int | None] = [None]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.data_ptr()
+        if current[0] is not None and t.nbytes >= min_bytes and ptr not in params:
+            seen[current[0]].add(ptr)
+            sizes[ptr] = max(sizes.get(ptr, 0), t.nbytes)
+        return t
+
+    def enter(i: int) -> Any:
+        return lambda *_: current.__setitem__(0, i)
+
+    handles = [m.register_forward_pre_hook(enter(i)) for i, m in enumerate(modules)]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(x).square().mean().backward()
+    finally:
+        for h in handles:
+            h.remove()
+    return [sum(sizes[p] for p in ptrs) for ptrs in seen]
