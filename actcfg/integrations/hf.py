@@ -43,6 +43,7 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from actcfg.api import apply
+from actcfg.runtime.handle import AppliedPolicy
 from actcfg.policy.checker import load
 from actcfg.backends import Backend
 from actcfg.backends.deepspeed import SECTION
@@ -98,7 +99,7 @@ class ActivationPolicyCallback(TrainerCallback):
             self.plan_file, self._plan = load_plan_file(plan_file)
         self.backend = backend
         self.mpu = mpu
-        self.applied: actcfg.AppliedPolicy | None = None
+        self.applied: AppliedPolicy | None = None
         """The live handle between on_train_begin (with mode auto: the first batch) and
         on_train_end, else None."""
         self.plan_written: Path | None = None

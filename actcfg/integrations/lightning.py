@@ -54,6 +54,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from actcfg.api import apply
+from actcfg.runtime.handle import AppliedPolicy
 from actcfg.policy.checker import load
 from actcfg.backends import Backend
 from actcfg.backends.deepspeed import SECTION, TABLE
@@ -116,7 +117,7 @@ class ActivationPolicy(pl.Callback):
             self.plan_file, self._plan = load_plan_file(plan_file)
         self.backend = backend
         self.mpu = mpu
-        self.applied: actcfg.AppliedPolicy | None = None
+        self.applied: AppliedPolicy | None = None
         """The live handle between on_fit_start (with mode auto: the first batch) and
         teardown, else None."""
         self.plan_written: Path | None = None
@@ -197,7 +198,7 @@ class ActivationPolicy(pl.Callback):
             view = _TrainingStepView(pl_module)
             with trainer.precision_plugin.train_step_context(), _logs_thrown_away(trainer, pl_module):
                 planned = plan_model(view, self.policy, (batch, batch_idx), loss_fn=step_loss,
-                                     apply=actcfg.apply)
+                                     apply=apply)
             self.applied = apply(pl_module, planned.policy, backend=Backend.TORCH)
             self.applied.set_plan(planned.report)
             took = self.plan_seconds = time.perf_counter() - began

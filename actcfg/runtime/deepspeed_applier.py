@@ -27,6 +27,7 @@ from actcfg.runtime.wrap import (
     select_modules,
 )
 from actcfg.errors import PolicyApplyError, TranslationError, install_command
+from actcfg.runtime.handle import AppliedPolicy
 from actcfg.runtime.reports import CheckpointCounters, CheckpointReport, DeepSpeedReport
 from actcfg.policy.schema import Policy
 
