@@ -20,7 +20,6 @@ __all__ = [
     "PLAN_FILE_NAME",
     "check_plan_fits_model",
     "load_plan_file",
-    "refuse_plan_file_without_auto",
     "write_plan",
 ]
 
@@ -28,18 +27,19 @@ PLAN_FILE_NAME = "actcfg-plan.yaml"
 """The plan's file name in the run's output folder (HF `output_dir`, Lightning `log_dir`)."""
 
 
-def refuse_plan_file_without_auto(policy: Policy, plan_file: Any) -> None:
-    """PolicyApplyError for `plan_file=` beside a policy that plans nothing."""
-    if plan_file is not None and policy.checkpoint.mode != "auto":
+def load_plan_file(policy: Policy,
+                   plan_file: str | os.PathLike[str] | None) -> tuple[Path | None, Policy | None]:
+    """A callback's `plan_file=` for `policy`: (None, None) without one, else its path and the
+    file as a validated `checkpoint.mode: rules` policy. PolicyApplyError for a plan file beside
+    a policy that plans nothing and for a file that is not a plan; ConfigLoadError for a file
+    that does not load."""
+    if plan_file is None:
+        return None, None
+    if policy.checkpoint.mode != "auto":
         raise PolicyApplyError(
             f"plan_file= reuses a plan of `checkpoint.mode: auto`, and this policy's mode is "
             f"{policy.checkpoint.mode}: remove plan_file=, or pass the `mode: auto` policy the "
             "plan was written for")
-
-
-def load_plan_file(plan_file: str | os.PathLike[str]) -> tuple[Path, Policy]:
-    """The plan file as a validated `checkpoint.mode: rules` policy (ConfigLoadError for a file
-    that does not load; PolicyApplyError for a policy that is not a plan)."""
     path = Path(plan_file)
     if not path.is_file():
         raise PolicyApplyError(

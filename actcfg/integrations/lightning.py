@@ -73,7 +73,6 @@ from actcfg.integrations._planning import (
     PLAN_FILE_NAME,
     check_plan_fits_model,
     load_plan_file,
-    refuse_plan_file_without_auto,
     write_plan,
 )
 from actcfg.integrations._report_lines import FirstStepPeak, applied_line, measured_line
@@ -109,12 +108,9 @@ class ActivationPolicy(pl.Callback):
                  plan_file: str | Path | None = None) -> None:
         # Validated now, so a bad policy fails where the Trainer is built, not after setup.
         self.policy: Policy = load(policy, backends=() if backend is None else (backend,))
-        refuse_plan_file_without_auto(self.policy, plan_file)
-        self.plan_file: Path | None = None
+        self.plan_file: Path | None
         """The plan applied instead of planning (`plan_file=`), else None."""
-        self._plan: Policy | None = None
-        if plan_file is not None:
-            self.plan_file, self._plan = load_plan_file(plan_file)
+        self.plan_file, self._plan = load_plan_file(self.policy, plan_file)
         self.backend = backend
         self.mpu = mpu
         self.applied: AppliedPolicy | None = None
