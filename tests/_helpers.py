@@ -14,6 +14,18 @@ from torch import nn
 from actcfg.probes import blocks
 
 
+class Layer(nn.Module):
+    """Linear then GELU: saves its input (Linear) and the Linear's output (GELU's input). The
+    planner's tests name it by class (`Layer`) as their candidate."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.gelu(self.lin(x))
+
+
 def tiny_llama(layers: int = 2, *, seed: int = 0, **config: Any) -> Any:
     """A randomly initialised Hugging Face Llama small enough to train on the CPU in a fraction of
     a second; `config` adds or overrides LlamaConfig fields (e.g. attention_dropout)."""

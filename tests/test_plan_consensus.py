@@ -94,14 +94,7 @@ def _rank_plans(rank: int, out_dir: str, port: int, world: int) -> None:
     from actcfg.plan.consensus import agree, copy_together, one_profile
     from actcfg.plan.profile import profile
     from actcfg.api import apply
-
-    class Layer(nn.Module):
-        def __init__(self, width: int) -> None:
-            super().__init__()
-            self.lin = nn.Linear(width, width)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return nn.functional.gelu(self.lin(x))
+    from _helpers import Layer
 
     class Chain(nn.Module):
         def __init__(self) -> None:

@@ -16,21 +16,11 @@ from actcfg.errors import PlanError, PolicyApplyError
 from actcfg.plan import CHOICES, predict, solve
 from actcfg.plan.profile import measure_steps, profile, saved_bytes
 from actcfg.api import apply
+from _helpers import Layer
 
 # Each test profiles a training step per candidate choice on the CPU: the quick inner loop
 # (`pytest -m "not slow"`) leaves them to CI.
 pytestmark = pytest.mark.slow
-
-
-class Layer(nn.Module):
-    """Linear then GELU: saves its input (Linear) and the Linear's output (GELU's input)."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.gelu(self.lin(x))
 
 
 class Chain(nn.Module):
