@@ -97,7 +97,7 @@ def _checked_loss(loss_fn: Any, default: bool) -> Any:
 
     from actcfg.errors import PlanError
 
-    what = "the default loss (the output's `loss`, else the mean square of its first tensor)" \
+    what = "the default loss (the output's `loss`, else the fp32 sum of squares of its first tensor)" \
         if default else "loss_fn"
     if not callable(loss_fn):
         raise PlanError(f"loss_fn= is a {type(loss_fn).__name__}, not a callable: pass "
