@@ -115,6 +115,14 @@ def test_a_read_only_file_is_refused_and_kept(tmp_path):
     # os.replace needs only the folder's permission: the file was replaced (issue 20).
     actcfg.cli.main(["translate", str(DS_CPU), "-o", str(tmp_path / "warm.json")])  # imports done
     folder = tempfile.mkdtemp(prefix="actcfg-ro-")
+    # The unprivileged user must read the policy: the checkout may sit in a folder only root
+    # reads (a `mktemp -d` clone), so it reads a copy from a folder everyone may read.
+    readable = tempfile.mkdtemp(prefix="actcfg-policy-")
+    os.chmod(readable, 0o755)
+    policy = os.path.join(readable, DS_CPU.name)
+    with open(policy, "w") as f:
+        f.write(DS_CPU.read_text())
+    os.chmod(policy, 0o644)
     try:
         os.chmod(folder, 0o777)  # the folder allows the rename; the file does not allow writing
         target = os.path.join(folder, "out.json")
@@ -125,7 +133,7 @@ def test_a_read_only_file_is_refused_and_kept(tmp_path):
 
         def run() -> int:
             with open(err, "w") as stream, contextlib.redirect_stderr(stream):
-                return actcfg.cli.main(["translate", str(DS_CPU), "-o", target])
+                return actcfg.cli.main(["translate", policy, "-o", target])
 
         assert _unprivileged(run) == 2
         with open(err) as f:
@@ -137,6 +145,8 @@ def test_a_read_only_file_is_refused_and_kept(tmp_path):
         for name in os.listdir(folder):
             os.unlink(os.path.join(folder, name))
         os.rmdir(folder)
+        os.unlink(policy)
+        os.rmdir(readable)
 
 
 # --- actcfg plan: the target checked before any GPU work; the factory's failure ------------------
