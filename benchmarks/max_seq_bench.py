@@ -8,7 +8,7 @@
     PYTHONPATH=. python benchmarks/max_seq_bench.py --shape small --out bench-out
 
     # its structural test in the GPU suite (three variants, about two minutes)
-    PYTHONPATH=. python -m pytest -m cuda -q tests/test_max_seq_cuda.py
+    PYTHONPATH=. python -m pytest -m cuda -q tests/benchmarks/test_max_seq_cuda.py
 
     # the 3.02B Llama of issue 23 (hidden 3072, 28 layers, 24 heads, 8 KV heads, intermediate
     # 8192, vocab 32000), the whole GPU: about 20 minutes per variant (a step at 192k takes a
@@ -48,7 +48,7 @@ states, and what actcfg's engine kept on the GPU at the turn. docs/long-sequence
 of these a setting helps with.
 
 Writes max_seq.json, max_seq.md and max_seq.png (longest length per variant; time per token
-against length) to --out. Not run in CI: it needs a GPU (tests/test_max_seq_cuda.py runs the
+against length) to --out. Not run in CI: it needs a GPU (tests/benchmarks/test_max_seq_cuda.py runs the
 small shape, structurally, on the GPU machine).
 """
 
@@ -137,7 +137,7 @@ ACTCFG_HEADLINE = "actcfg-checkpoint-cpu"
 HF = "hf-checkpointing"
 
 
-# --- the search (pure: tests/test_max_seq_search.py drives it with a fake predicate) -------------
+# --- the search (pure: tests/benchmarks/test_max_seq_search.py drives it with a fake predicate) -------------
 
 
 @dataclass

@@ -53,5 +53,5 @@ def ds_env() -> Iterator[ModuleType]:
 
 def ds_globals(ckpt: ModuleType) -> dict[str, object]:
     """DeepSpeed's activation-checkpointing state, keyed by configure() kwarg: actcfg's own
-    read-back, whose table test_runtime_deepspeed checks against `configure` itself."""
+    read-back, whose table test_deepspeed_applier checks against `configure` itself."""
     return read_back(ckpt)

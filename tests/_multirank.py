@@ -1,7 +1,7 @@
 """Run a test body on several ranks: fresh processes (torch.multiprocessing, start method spawn),
 one torch.distributed group over them, results back through JSON files.
 
-Shared by tests/test_multirank.py (two gloo ranks on the CPU) and tests/test_distributed.py (two
+Shared by tests/runtime/test_multirank.py (two gloo ranks on the CPU) and tests/runtime/test_distributed.py (two
 NCCL ranks, one GPU each). A worker is a module-level function `worker(rank, out_dir, *args)`;
 it calls `init_group` first. When a rank raises, its traceback fails the test and the other
 ranks are terminated; when the ranks outlive `timeout`, all are terminated and the test fails

@@ -1,7 +1,7 @@
 """Field descriptions for `actcfg schema`: the docstring under each field in schema.py.
 
 Generated; do not edit. After changing a field docstring in schema.py, run
-`python tests/test_descriptions.py` (tests/test_descriptions.py fails until then).
+`python tests/policy/test_descriptions.py` (tests/policy/test_descriptions.py fails until then).
 """
 
 DESCRIPTIONS: dict[str, str] = {

@@ -192,7 +192,7 @@ class _Strict(BaseModel):
     """Shared strictness: unknown keys are errors, values are frozen, defaults validated.
 
     Each field's description is the docstring under it, as with `use_attribute_docstrings=True`,
-    but read from `_descriptions.py` (generated from this file; tests/test_descriptions.py keeps
+    but read from `_descriptions.py` (generated from this file; tests/policy/test_descriptions.py keeps
     it in sync): Pydantic would re-read this source on every import, ~9 ms of `actcfg validate`.
     """
 

@@ -3,7 +3,7 @@
 
 cpu_checkpointing alone breaks backward on DeepSpeed's CPU accelerator (BACKENDS.md 1.3) and
 partition needs a model-parallel group > 1, so the input-emptying guard is proven on CUDA
-(tests/test_runtime_cuda.py); here it is tested by emptying the alias the way DeepSpeed does.
+(tests/runtime/test_runtime_cuda.py); here it is tested by emptying the alias the way DeepSpeed does.
 """
 
 from __future__ import annotations

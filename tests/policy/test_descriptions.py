@@ -7,7 +7,7 @@ with `ast` and `inspect.cleandoc` as Pydantic does, and written to actcfg/policy
 which schema.py passes as `Field(description=...)`. These tests fail when a docstring and
 the generated file disagree. To regenerate after editing a docstring:
 
-    python tests/test_descriptions.py
+    python tests/policy/test_descriptions.py
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ import inspect
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = ROOT / "actcfg" / "policy" / "schema.py"
 GENERATED = ROOT / "actcfg" / "policy" / "_descriptions.py"
-REGENERATE = "python tests/test_descriptions.py"
+REGENERATE = "python tests/policy/test_descriptions.py"
 
 _HEADER = f'''"""Field descriptions for `actcfg schema`: the docstring under each field in schema.py.
 
 Generated; do not edit. After changing a field docstring in schema.py, run
-`{REGENERATE}` (tests/test_descriptions.py fails until then).
+`{REGENERATE}` (tests/policy/test_descriptions.py fails until then).
 """
 
 '''

@@ -363,7 +363,7 @@ _DS_DATA = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_DS_KEYS | st.text(max_size=8), inner, max_size=5),
     max_leaves=20,
 )
-_POLICY = Path(__file__).resolve().parent.parent / "configs" / "deepspeed-cpu-checkpointing.yaml"
+_POLICY = Path(__file__).resolve().parents[2] / "configs" / "deepspeed-cpu-checkpointing.yaml"
 
 
 def _run(*argv: str) -> tuple[int, str, str]:

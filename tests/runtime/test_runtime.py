@@ -524,7 +524,7 @@ def test_an_exception_in_backward_leaves_the_next_step_working(mode):
     assert module_state(model) == before
 
 
-# --- offload wiring, through the real engine on the host (tests/test_offload.py: the engine) --
+# --- offload wiring, through the real engine on the host (tests/runtime/test_offload.py: the engine) --
 
 
 @pytest.fixture

@@ -42,7 +42,7 @@ from _helpers import tiny_llama  # noqa: E402
 
 __all__ = ["ds_env"]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 LAYERS = 3
 FULL = "version: 1\ncheckpoint: {mode: full, modules: [LlamaDecoderLayer]}\n"

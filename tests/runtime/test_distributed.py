@@ -1,11 +1,11 @@
 """actcfg on two GPUs of one host: NCCL, one process per GPU, spawned by each test (as in
-tests/test_multirank.py, which runs the same cases on two gloo ranks on the CPU).
+tests/runtime/test_multirank.py, which runs the same cases on two gloo ranks on the CPU).
 
 Run on a machine with two GPUs (H200: DeepSpeed's op builder needs TORCH_CUDA_ARCH_LIST=9.0;
 NCCL_NVLS_ENABLE=0 stays set):
 
     NCCL_NVLS_ENABLE=0 TORCH_CUDA_ARCH_LIST=9.0 PYTHONPATH=. \
-        python -m pytest -m distributed -q tests/test_distributed.py
+        python -m pytest -m distributed -q tests/runtime/test_distributed.py
 
 Memory is `torch.cuda.memory_allocated()` after each block's forward, above the step's start,
 and "per block" is its mean growth over the second half of the blocks (as `actcfg verify`
@@ -42,7 +42,7 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
 ]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # NVLink multicast (NVLS) stays off on the lent machines; DeepSpeed's op builder cannot parse
 # the "9.0a" torch reports for an H200 (BACKENDS.md 8).
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_CUDA_ARCH_LIST": "9.0"}

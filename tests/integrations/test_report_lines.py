@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RUNS = ROOT / "tests" / "data" / "trainer_runs"
 HF_APPLIED = ("actcfg: backend torch; full checkpointing of 3 modules (model.layers.0, "
               "model.layers.1, model.layers.2) via torch.utils.checkpoint.checkpoint")

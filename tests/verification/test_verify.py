@@ -1,6 +1,6 @@
 """verify without a GPU: its refusals and the `actcfg verify` CLI (exit codes, output). The
-judge, the reports, the factory and the measurement each have their own test_verification_*
-file; the measurement on a GPU is in test_verify_cuda.py."""
+judge, the reports, the factory and the measurement each have their own file in
+tests/verification/; the measurement on a GPU is in test_verify_cuda.py."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ below the plain model's; with cpu_checkpointing, memory held after each block
 (`torch.cuda.memory_allocated` in a forward hook) is flat over the second half of the stack;
 pinned host memory stays within `pin_budget`; no pinned allocation after the first step.
 
-Run on the GPU machine: PYTHONPATH=. python3 -m pytest -m cuda -q tests/test_runtime_cuda.py
+Run on the GPU machine: PYTHONPATH=. python3 -m pytest -m cuda -q tests/runtime/test_runtime_cuda.py
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 measured peak stays within its budget with the gradients of the plain run, and `actcfg plan`
 writes, applies and measures a plan. The offload engine's scheduling knobs on the GPU.
 
-Run on the GPU machine: PYTHONPATH=. python3 -m pytest -m cuda -q tests/test_plan_cuda.py
+Run on the GPU machine: PYTHONPATH=. python3 -m pytest -m cuda -q tests/plan/test_plan_cuda.py
 Sizes are moderate (8 blocks, d_model 1024, batch 4, sequence 1024, bf16) so the file runs in
 about a minute; benchmarks/plan_bench.py measures the issue's sizes.
 """

@@ -5,7 +5,7 @@ and `actcfg verify`'s gather, judge and render under a two-rank group.
 
 Each test starts its ranks once (a module fixture for the parametrized ones); the ranks write
 their numbers to JSON files that the test reads. The two-GPU versions are in
-tests/test_distributed.py.
+tests/runtime/test_distributed.py.
 """
 
 from __future__ import annotations
@@ -349,12 +349,12 @@ def test_zero3_on_two_ranks_trains_to_the_same_losses_under_a_policy_on_either_b
 
 
 # --- actcfg verify on two ranks: gather, judge, render; the CLI under a torchrun environment -----
-# The GPU measurement itself needs CUDA (tests/test_distributed.py runs it); here each rank
+# The GPU measurement itself needs CUDA (tests/runtime/test_distributed.py runs it); here each rank
 # stands in synthetic numbers for it, and everything after (the gather over a real gloo group,
 # the judging, the rendering, the CLI's group, output and exit codes) runs for real.
 
 B = 1 << 20  # one block input of the synthetic measurements
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PARTITION_CONFIG = CONFIGS / "deepspeed-partition-model-parallel.yaml"
 
 

@@ -2,7 +2,7 @@
 Hugging Face Llama. Each case: bytes really offloaded, GPU memory held per block flat over the
 second half of the stack, and gradients equal to the same stack without the policy.
 
-Run on the GPU machine: PYTHONPATH=. python3 -m pytest -m cuda -q tests/test_composition_cuda.py
+Run on the GPU machine: PYTHONPATH=. python3 -m pytest -m cuda -q tests/runtime/test_composition_cuda.py
 """
 
 from __future__ import annotations

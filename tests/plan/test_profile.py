@@ -1,7 +1,7 @@
 """actcfg.plan on the CPU: the profile's byte accounting (saved-tensor hooks, op outputs, the
 loopback engine's per-group bytes) and structure, everything put back after, apply(auto) from
 profile to applied rules, and the refusals. Timings are measured but never asserted; the GPU
-measurement itself runs in benchmarks/plan_bench.py and tests/test_plan_cuda.py."""
+measurement itself runs in benchmarks/plan_bench.py and tests/plan/test_plan_cuda.py."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 models, the DeepSpeed engine; and the inputs and uses that once gave silently wrong results.
 
 Offload runs through the real engine on the host (`host_loopback`), so these tests see its
-counters move; the GPU tests (tests/test_composition_cuda.py) measure memory.
+counters move; the GPU tests (tests/runtime/test_composition_cuda.py) measure memory.
 """
 
 from __future__ import annotations

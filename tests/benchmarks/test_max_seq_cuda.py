@@ -3,7 +3,7 @@ is found (in fresh processes), with proof that its policy took effect, and the o
 plain < checkpoint <= checkpoint + offload. No timing is asserted.
 
 Run on the GPU machine (about two minutes on an H200):
-    PYTHONPATH=. python3 -m pytest -m cuda -q tests/test_max_seq_cuda.py
+    PYTHONPATH=. python3 -m pytest -m cuda -q tests/benchmarks/test_max_seq_cuda.py
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
 ]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ORDER = ("plain", "actcfg-checkpoint", "actcfg-checkpoint-cpu")
 
 

@@ -20,7 +20,7 @@ By language, for a block without a marker (and for a `gpu` one):
   which may install only this checkout (`-e`) with extras pyproject.toml defines, or torch at
   a version the `torch` extra allows (the CPU wheel only from PyTorch's index); and
   `python -m pytest`, the suite itself, whose `-m` may name only markers pyproject.toml declares
-  (tests/test_init.py keeps the README's test command equal to .ci/run).
+  (tests/project/test_init.py keeps the README's test command equal to .ci/run).
 - `python`: exec'd in the scratch directory.
 - `yaml`: a policy (it has `version:`) must validate with no error; anything else must parse.
 - no language: a transcript. `$ COMMAND` lines run as above; the lines after one, up to the

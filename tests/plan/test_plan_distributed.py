@@ -1,11 +1,11 @@
 """`actcfg plan` under torchrun on two GPUs: the ranks plan together, one file is written, and
 `actcfg verify` under torchrun passes on every rank against it.
 
-Run on a machine with two GPUs (as tests/test_distributed.py):
+Run on a machine with two GPUs (as tests/runtime/test_distributed.py):
 
-    NCCL_NVLS_ENABLE=0 PYTHONPATH=. python -m pytest -m distributed -q tests/test_plan_distributed.py
+    NCCL_NVLS_ENABLE=0 PYTHONPATH=. python -m pytest -m distributed -q tests/plan/test_plan_distributed.py
 
-The same reduction runs on two and four gloo ranks on the CPU in tests/test_plan_consensus.py.
+The same reduction runs on two and four gloo ranks on the CPU in tests/plan/test_consensus.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
 ]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = float(os.environ.get("ACTCFG_MULTIRANK_TIMEOUT", "900"))
 WORLD = 2
 
@@ -34,7 +34,7 @@ WORLD = 2
 def torchrun(*argv: str) -> subprocess.CompletedProcess[str]:
     # tests/ on the path: the factory is test_plan_cuda:small_blocks (8 blocks, d_model 1024).
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(Path(__file__).resolve().parent)])}
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
          "-m", "actcfg", *argv],

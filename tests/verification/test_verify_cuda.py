@@ -2,7 +2,7 @@
 sentence, the broken ones that motivated actcfg. Nothing is mocked: the broken cases are broken
 `apply` functions and a broken model, measured like any other.
 
-Run on the GPU machine: PYTHONPATH=. python3 -m pytest -m cuda -q tests/test_verify_cuda.py
+Run on the GPU machine: PYTHONPATH=. python3 -m pytest -m cuda -q tests/verification/test_verify_cuda.py
 Sizes are moderate (one block input 64 MiB) so the file runs in well under two minutes.
 """
 
@@ -30,7 +30,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
 ]
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SEED = CONFIGS / "seed-linear-offload.yaml"  # torch, full checkpoint of Linear, cpu_checkpointing
 DS_OFFLOAD = {"version": 1, "backend": "deepspeed",
               "checkpoint": {"mode": "full", "modules": ["Linear"]}, "cpu_checkpointing": True}

@@ -29,7 +29,7 @@ from actcfg.integrations.lightning import ActivationPolicy  # noqa: E402
 from actcfg.probes import BlockStack  # noqa: E402
 from _helpers import tiny_llama  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 BLOCKS = 3
 FULL = "version: 1\ncheckpoint: {mode: full, modules: [Block]}\n"

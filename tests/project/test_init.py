@@ -38,7 +38,7 @@ def test_ci_runs_exactly_the_readmes_test_command():
     """README's second command is what CI runs (.ci/run): one command, in both places."""
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     readme = (root / "README.md").read_text()
     block = readme.split("```bash\n", 1)[1].split("```", 1)[0]
     commands = [line for line in block.splitlines() if line and not line.startswith("#")]
