@@ -7,7 +7,7 @@ it is checked; without one, its language does:
   (`test_gpu_block_runs_as_written`, marked `cuda`, skipped without a GPU).
 - `<!-- file: NAME -->`: written to NAME in the document's scratch directory, for the blocks
   after it (a transcript runs a command on it); a later block of the document must name it.
-- `<!-- tested-by: tests/FILE.py::TEST -->`: that test runs the block (checked: it exists, and
+- `<!-- tested-by: tests/FOLDER/FILE.py::TEST -->`: that test runs the block (checked: it exists, and
   reads its block from the same document).
 - `<!-- not-run: reason -->`: never run; the reason is required and becomes the skip reason.
 
