@@ -10,7 +10,7 @@ but `errors`, so the light path (`actcfg validate`) can import it.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from actcfg.errors import ActcfgError
 
@@ -42,9 +42,9 @@ class Backend(enum.StrEnum):
         return BACKENDS[self]
 
 
-@dataclass(frozen=True)
-class BackendSpec:
-    """A backend: its table of fields and whether `actcfg.apply` can run it."""
+class BackendSpec(NamedTuple):
+    """A backend: its table of fields and whether `actcfg.apply` can run it (a NamedTuple, as
+    the table's entries, for the light path: see `actcfg.backends.table`)."""
 
     backend: Backend
     table: dict

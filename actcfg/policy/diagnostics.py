@@ -6,7 +6,7 @@ Reporters return text; the CLI decides where it goes. Library code never prints.
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Literal, Protocol
 
 __all__ = [
@@ -61,12 +61,14 @@ def escape_controls(text: str) -> str:
     return _CONTROLS.sub(escape, text)
 
 
-@dataclass
 class Result:
     """Every diagnostic of one `validate` run, in file order."""
 
-    files: list[str] = field(default_factory=list)
-    diagnostics: list[Diagnostic] = field(default_factory=list)
+    def __init__(self) -> None:
+        # A plain class: a dataclass compiles its methods when defined, on every `actcfg
+        # validate` start (issue 19), and a result is only ever added to and read.
+        self.files: list[str] = []
+        self.diagnostics: list[Diagnostic] = []
 
     def add(self, file: str, diagnostics: list[Diagnostic]) -> None:
         """Record that `file` was checked, with its findings."""
