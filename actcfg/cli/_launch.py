@@ -34,11 +34,10 @@ def refuse_run(args: argparse.Namespace, code: int, message: str | None,
     """Report why verify (or plan) measured nothing, in the format asked for; return `code`."""
     if args.format == "json":
         import json
-        from dataclasses import asdict
 
         status = status or {1: "invalid", 2: "unreadable" if diagnostics else "usage-error"}[code]
         body = {"ok": False, "status": status, "message": message,
-                "errors": [asdict(d) for d in diagnostics]}
+                "errors": [d._asdict() for d in diagnostics]}
         write_output(json.dumps(body, indent=2) + "\n")
         return code
     if diagnostics:

@@ -29,8 +29,6 @@ def run(args: argparse.Namespace) -> int:
     """Print (or write to `-o`) the policy for what FILE runs, with a warning per key it does not honour."""
     if args.backend in (Backend.HF, Backend.LIGHTNING):
         return _import_trainer(args)
-    import dataclasses
-
     from actcfg.translators import import_ds_config
 
     refuse_output_over(args.output, [args.file])
@@ -52,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
                                 num_checkpoints=args.num_checkpoints)
     diagnostics = in_file_order(problem_diagnostics(doc, args.file)
                                  + located_diagnostics(doc, args.file, imported.findings))
-    diagnostics = [dataclasses.replace(d, hint=d.hint.replace("FILE", args.file))
+    diagnostics = [d._replace(hint=d.hint.replace("FILE", args.file))
                    if d.code == "not-a-ds-config" else d for d in diagnostics]
     report_diagnostics(diagnostics)
     if imported.yaml is None or any(d.severity == "error" for d in diagnostics):

@@ -26,8 +26,6 @@ __all__ = ["add_parser", "run"]
 
 def _merge(args: argparse.Namespace, section: dict[str, Any]) -> tuple[str | None, int]:
     """The ds_config's text with `section` spliced in, or None and the exit code."""
-    import dataclasses
-
     from actcfg.backends.deepspeed import SECTION
     from actcfg.translators.ds_loader import JsonDocument, parse_config
     from actcfg.translators.ds_config import merge_conflicts, splice_section
@@ -43,7 +41,7 @@ def _merge(args: argparse.Namespace, section: dict[str, Any]) -> tuple[str | Non
                             "pass the ds_config.json file")])
         return None, 1
     conflicts = merge_conflicts(doc.data, section, replace=args.replace)
-    conflicts = [dataclasses.replace(f, hint=f"{f.hint}; or pass --replace to take the policy's section")
+    conflicts = [f._replace(hint=f"{f.hint}; or pass --replace to take the policy's section")
                  if f.code == "ds-config-conflict" and f.path[:1] == (SECTION,) else f for f in conflicts]
     diagnostics = in_file_order(problem_diagnostics(doc, args.merge) + located_diagnostics(doc, args.merge, conflicts))
     report_diagnostics(diagnostics)
