@@ -86,7 +86,7 @@ mark("import yaml")
 import actcfg.policy.schema
 mark("actcfg.policy.schema (models defined)")
 from actcfg.cli import main
-mark("actcfg.cli (argparse; no command yet)")
+mark("actcfg.cli (argparse, no command yet)")
 with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
     main(["validate", {config!r}])
 mark("validate (its modules, validator built, parse, check, report)")
