@@ -10,7 +10,8 @@ but `errors`, so the light path (`actcfg validate`) can import it.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import importlib
+from typing import NamedTuple
 
 from actcfg.errors import ActcfgError
 
@@ -42,13 +43,14 @@ class Backend(enum.StrEnum):
         return BACKENDS[self]
 
 
-@dataclass(frozen=True)
-class BackendSpec:
-    """A backend: its table of fields and whether `actcfg.apply` can run it."""
+class BackendSpec(NamedTuple):
+    """A backend: its table of fields and whether `actcfg.apply` can run it (a NamedTuple, as
+    the table's entries, for the light path: see `actcfg.backends.table`)."""
 
     backend: Backend
-    table: dict
-    """Policy field path -> entry (see `actcfg.backends.table`)."""
+    module: str
+    """The module of its table (`actcfg.backends.deepspeed`), imported on first use of `table`:
+    `actcfg validate` reads only the tables of the backends it checks."""
     runs: bool
     """True when `actcfg.apply` puts a policy into effect with this backend; the others are
     translation targets (their trainers run a policy through actcfg's integrations)."""
@@ -57,19 +59,22 @@ class BackendSpec:
     checkpoint_function: str
     """What must call the checkpointed modules for the backend's checkpoint settings to act."""
 
+    @property
+    def table(self) -> dict:
+        """Policy field path -> entry (see `actcfg.backends.table`)."""
+        return importlib.import_module(self.module).TABLE
+
 
 def _specs() -> dict[Backend, BackendSpec]:
-    from actcfg.backends import deepspeed, hf, lightning, torch
-
     return {
-        Backend.DEEPSPEED: BackendSpec(Backend.DEEPSPEED, deepspeed.TABLE, True, "DeepSpeed",
-                                       "deepspeed.checkpointing.checkpoint"),
-        Backend.HF: BackendSpec(Backend.HF, hf.TABLE, False, "Hugging Face Transformers",
+        Backend.DEEPSPEED: BackendSpec(Backend.DEEPSPEED, "actcfg.backends.deepspeed", True,
+                                       "DeepSpeed", "deepspeed.checkpointing.checkpoint"),
+        Backend.HF: BackendSpec(Backend.HF, "actcfg.backends.hf", False, "Hugging Face Transformers",
                                 "the model's GradientCheckpointingLayer"),
-        Backend.LIGHTNING: BackendSpec(Backend.LIGHTNING, lightning.TABLE, False,
+        Backend.LIGHTNING: BackendSpec(Backend.LIGHTNING, "actcfg.backends.lightning", False,
                                        "Lightning's DeepSpeedStrategy",
                                        "deepspeed.checkpointing.checkpoint"),
-        Backend.TORCH: BackendSpec(Backend.TORCH, torch.TABLE, True, "torch",
+        Backend.TORCH: BackendSpec(Backend.TORCH, "actcfg.backends.torch", True, "torch",
                                    "torch.utils.checkpoint.checkpoint"),
     }
 

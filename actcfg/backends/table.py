@@ -5,12 +5,15 @@ acts on it instead of a config key (`RoutedBy`), that the backend cannot express
 (`Unsupported`), or that it is about the policy file itself (`Meta`). `findings` turns a table
 into the schema's backend rules and the translators' refusals, so a backend's limits are
 written once. Works on any object with the policy's attributes: no import of the schema.
+
+The findings and entries are NamedTuples, not frozen dataclasses, as immutable: a frozen
+dataclass compiles six methods when it is defined (~1 ms each class), and `actcfg validate`
+defines every one of these types on each start (issue 19).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, Literal, NamedTuple, Union
 
 __all__ = [
     "Advice",
@@ -30,8 +33,7 @@ MISSING = object()
 """`field_value`'s value for a field the policy's checkpoint variant does not have."""
 
 
-@dataclass(frozen=True)
-class Finding:
+class Finding(NamedTuple):
     """One rule's verdict on a policy: error or warning, at a field, with the fix."""
 
     code: str
@@ -44,8 +46,7 @@ class Finding:
     """The sentence without the backend's context (what a translator refusing it says)."""
 
 
-@dataclass(frozen=True)
-class Advice:
+class Advice(NamedTuple):
     """A warning for a value the backend takes but that does less than the user may think."""
 
     when: Any
@@ -55,8 +56,7 @@ class Advice:
     hint: str
 
 
-@dataclass(frozen=True)
-class Rejection:
+class Rejection(NamedTuple):
     """A value the backend cannot take, with the sentence and the fix."""
 
     when: Any
@@ -66,8 +66,7 @@ class Rejection:
     hint: str
 
 
-@dataclass(frozen=True)
-class Key:
+class Key(NamedTuple):
     """The value goes to backend key `key` (and keyword argument `kwarg`, where there is one)."""
 
     key: str
@@ -85,8 +84,7 @@ class Key:
     """The fix for `dropped`."""
 
 
-@dataclass(frozen=True)
-class RoutedBy:
+class RoutedBy(NamedTuple):
     """No config key: `who` acts on the value (the runtime routes modules); it lands in `key`."""
 
     who: str
@@ -94,8 +92,7 @@ class RoutedBy:
     rejects: tuple[Rejection, ...] = ()
 
 
-@dataclass(frozen=True)
-class Unsupported:
+class Unsupported(NamedTuple):
     """The backend cannot express this field; only the schema default passes."""
 
     code: str
@@ -106,8 +103,7 @@ class Unsupported:
     """Refuse the field whenever the file sets it, even to the default value."""
 
 
-@dataclass(frozen=True)
-class Meta:
+class Meta(NamedTuple):
     """About the policy file itself, not the backend's behaviour."""
 
     reason: str

@@ -19,11 +19,11 @@ Imports nothing from actcfg but `errors`.
 from __future__ import annotations
 
 import codecs
+import functools
 import os
 import re
 import stat
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 from yaml.composer import Composer
@@ -86,9 +86,12 @@ class LoadFailure(ConfigLoadError):
         self.column = column
 
 
-@dataclass(frozen=True)
-class Problem:
-    """A non-fatal finding made while loading (a duplicate key): the data is still usable."""
+class Problem(NamedTuple):
+    """A non-fatal finding made while loading (a duplicate key): the data is still usable.
+
+    `Problem` and `Document` are NamedTuples, not frozen dataclasses, as immutable: a frozen
+    dataclass compiles six methods when it is defined (~1 ms each class), on every start of
+    `actcfg validate` (issue 19)."""
 
     code: str
     path: tuple[Any, ...]
@@ -181,7 +184,11 @@ class _StrictLoader(Reader, Scanner, Parser, _BoundedComposer, SafeConstructor, 
         _StrictResolver.__init__(self)
 
 
-_YAML11_FORMS = _scalar_forms(Resolver)
+@functools.cache
+def _yaml11_forms() -> dict[str, re.Pattern[str]]:
+    """`_scalar_forms(Resolver)`, compiled when a YAML 1.1 file is first read (gpt-neox configs,
+    TrainingArguments): its patterns are long, and `actcfg validate` never reads YAML 1.1."""
+    return _scalar_forms(Resolver)
 
 
 class _Yaml11Loader(Reader, Scanner, Parser, _BoundedComposer, SafeConstructor, Resolver):
@@ -241,15 +248,14 @@ def _position(node: Node) -> tuple[int, int]:
     return node.start_mark.line + 1, node.start_mark.column + 1
 
 
-@dataclass(frozen=True)
-class Document:
+class Document(NamedTuple):
     """A parsed YAML document: its data, its node tree, and where the data came from."""
 
     name: str
     data: Any
     node: Node
     at: tuple[str, ...] = ()
-    problems: tuple[Problem, ...] = field(default=())
+    problems: tuple[Problem, ...] = ()
 
     def locate(self, path: tuple[Any, ...], key: bool = False) -> tuple[int, int]:
         """The 1-based (line, column) of the value at `path`, or of its key when `key` is set.
@@ -466,7 +472,7 @@ def parse_document(text: str, name: str, *, yaml11: bool = False) -> Document:
                     line,
                     column,
                 )
-            problems = _check_tree(root, _YAML11_FORMS if yaml11 else _SCALAR_FORMS)
+            problems = _check_tree(root, _yaml11_forms() if yaml11 else _SCALAR_FORMS)
             data = loader.construct_document(root)
         finally:
             if loader is not None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import actcfg.cli
+import actcfg.cli.validate
 from actcfg.policy.checker import check_file
 from actcfg.policy.schema import policy_json_schema
 from _timeouts import scaled
@@ -116,7 +117,7 @@ def test_internal_error_is_reported_not_raised(run_cli, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("kaput")
 
-    monkeypatch.setattr(actcfg.cli, "check_file", boom)
+    monkeypatch.setattr(actcfg.cli.validate, "check_file", boom)
     result = run_cli("validate", DS_CPU)
     assert result.code == 2
     assert result.err == "actcfg: internal error, please report: RuntimeError: kaput\n"

@@ -15,6 +15,8 @@ import tempfile
 import pytest
 
 import actcfg.cli
+from actcfg.cli._launch import build_model
+from actcfg.cli._output import Usage
 from conftest import ROOT
 
 DS_CPU = ROOT / "configs" / "deepspeed-cpu-checkpointing.yaml"
@@ -186,8 +188,8 @@ def _not_a_model():
 ])
 def test_a_factory_that_fails_is_a_usage_sentence(factory, message):
     # "internal error, please report" (raised) and exit 1, the "no plan fits" code (wrong type).
-    with pytest.raises(actcfg.cli._Usage) as info:
-        actcfg.cli._build(factory, "tests:factory")
+    with pytest.raises(Usage) as info:
+        build_model(factory, "tests:factory")
     assert str(info.value) == message
 
 

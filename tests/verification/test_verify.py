@@ -165,11 +165,11 @@ def test_cli_plot_write_error_does_not_hide_a_failed_verify(run_cli, measured_as
 ])
 def test_cli_starts_a_process_group_only_for_the_deepspeed_backend(
         run_cli, measured_as, monkeypatch, argv, started):
-    """The CLI scopes the measurement in `_process_group(backend)`, which starts a one-process
+    """The CLI scopes the measurement in `process_group(backend)`, which starts a one-process
     group for the deepspeed backend only (here it records instead of starting NCCL)."""
     import contextlib
 
-    import actcfg.cli as cli
+    import actcfg.cli.verify as cli
 
     measured_as(report())
     backends: list[str] = []
@@ -179,8 +179,8 @@ def test_cli_starts_a_process_group_only_for_the_deepspeed_backend(
         backends.append(backend)
         yield
 
-    real = cli._process_group
-    monkeypatch.setattr(cli, "_process_group", recorded)
+    real = cli.process_group
+    monkeypatch.setattr(cli, "process_group", recorded)
     done = run_cli("verify", *argv)
     assert done.code == 0
     assert backends == ["deepspeed" if started else "torch"]
