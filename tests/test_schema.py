@@ -228,8 +228,8 @@ def test_schema_is_draft7_with_descriptions_and_no_extra_properties():
     jsonschema.Draft7Validator.check_schema(schema)
     assert schema["additionalProperties"] is False
     models = [d for d in schema["definitions"].values() if "properties" in d]
-    # none, full, selective, external, rules (with Rule and Prediction), auto
-    assert len(models) == 8 and all(d["additionalProperties"] is False for d in models)
+    # none, full, selective, external, rules (with Rule and Prediction), auto, compile
+    assert len(models) == 9 and all(d["additionalProperties"] is False for d in models)
     assert all("description" in p for p in schema["properties"].values())
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from actcfg.backends._deepspeed_only import deepspeed_only
-from actcfg.backends.table import Entry, Key, Meta
+from actcfg.backends.table import Entry, Key, Meta, RoutedBy
 
 __all__ = ["CHECKPOINT_API", "OFFLOAD_ENGINE", "PLANNER", "TABLE"]
 
@@ -39,6 +39,9 @@ TABLE: dict[str, Entry] = {
     "checkpoint.predicted.step_time_ms": Meta("what actcfg plan predicted; verify compares"),
     "checkpoint.predicted.peak": Meta("what actcfg plan predicted; verify compares"),
     "memory_budget": Key("checkpoint.memory_budget"),
+    # apply compiles after the rules (actcfg.runtime.compiling); the WrapPlan does not carry it.
+    "compile.scope": RoutedBy("runtime", "compile.scope"),
+    "compile.backend": RoutedBy("runtime", "compile.backend"),
     **deepspeed_only(),
 }
 """Policy field -> WrapPlan attribute (and the torch keyword argument it becomes)."""
