@@ -138,6 +138,12 @@ class Profile:
     """The uniform runs measured while profiling: choice -> {step_ms, peak}."""
     notes: tuple[str, ...] = ()
     """What the profile could not measure and estimated instead."""
+    compiled: str = ""
+    """How every run was compiled (`blocks with inductor`); empty: eager."""
+    profile_ms: float = 0.0
+    """Wall time of the whole profile, its compiles excluded."""
+    compile_ms: float = 0.0
+    """Wall time the profile spent compiling: each compiled run's first step less one step."""
 
     def copy_ms(self, nbytes: int, to_host: bool) -> float:
         """Milliseconds one copy of `nbytes` takes at the profiled bandwidth."""
