@@ -250,7 +250,9 @@ def profile(
                             held[choice] = saved_bytes(model, blocks, args, kwargs)
                     finally:
                         handle.remove()
-            if "selective" in wanted:  # its inputs (counted above) and its saved ops' outputs
+            # Eager, its inputs (counted above) and its saved ops' outputs, which bypass the
+            # hooks; compiled, the graph saves those outputs itself and the hooks counted them.
+            if "selective" in wanted and not compiled:
                 outputs = saved_bytes(model, blocks, args, kwargs, save_ops=resolve_ops(DEFAULT_SAVE_OPS))
                 held["selective"] = [s + o for s, o in zip(held["selective"], outputs)]
             for choice in wanted:
