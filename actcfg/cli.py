@@ -755,6 +755,21 @@ def _to_device(value: Any, device: Any) -> Any:
     return value
 
 
+def _with_compile(args: argparse.Namespace, policy: Any) -> Any:
+    """`policy` with --compile and --compile-backend over its `compile:` (None: a backend given
+    with nothing to compile)."""
+    from actcfg.policy.schema import Compile
+
+    given = policy.compile.model_dump(exclude_unset=True) if policy.compile is not None else {}
+    if args.compile is not None:
+        given["scope"] = args.compile
+    if args.compile_backend is not None:
+        given["backend"] = args.compile_backend
+    if "scope" not in given:
+        return None
+    return policy.model_copy(update={"compile": Compile(**given)})
+
+
 def _plan(args: argparse.Namespace) -> int:
     """Under torchrun every rank profiles, the ranks plan from their profiles reduced to the
     worst case (actcfg.plan.consensus) and all apply the same plan; only rank 0 writes (the
@@ -790,6 +805,16 @@ def _plan_here(args: argparse.Namespace, write: bool = True) -> int:
             return _refuse_verify(args, 2, f"--budget {args.budget!r}: a budget of 0 bytes leaves "
                                            "no room for a training step")
         policy = policy.model_copy(update={"memory_budget": budget})
+    if args.compile is not None or args.compile_backend is not None:
+        try:
+            policy = _with_compile(args, policy)
+        except ValueError as e:  # pydantic's ValidationError: an empty backend name
+            return _refuse_verify(args, 2, f"--compile-backend {args.compile_backend!r}: "
+                                           f"{e.errors()[0]['msg'] if hasattr(e, 'errors') else e}")
+        if policy is None:
+            return _refuse_verify(args, 2, "--compile-backend names torch.compile's backend for "
+                                           "--compile (or the file's `compile:`), and neither is "
+                                           "given: add --compile blocks|model")
     if args.steps < 1:
         return _refuse_verify(args, 2, f"--steps must be at least 1, got {args.steps}")
     from actcfg.verification import load_factory
@@ -831,6 +856,8 @@ def _plan_here(args: argparse.Namespace, write: bool = True) -> int:
         except PlanError as e:
             return _refuse_verify(args, 1, str(e), status="no-plan-fits")
         with apply(model, planned.policy):
+            if planned.policy.compile is not None:  # its graphs built before the timed steps
+                measure_steps(model, inputs, steps=2)
             step_ms, peak = measure_steps(model, inputs, steps=args.steps)
         step_ms, peak = slowest_rank(step_ms, peak)  # the plan holds only if it holds on each
     report, budget = planned.report, planned.plan.budget
@@ -894,6 +921,9 @@ def _render_plan(args: argparse.Namespace, planned: Any, step_ms: float, peak: i
         f"peak       predicted {memory_size(report.predicted_peak)}, measured {memory_size(peak)} "
         f"(prediction {off(peak, report.predicted_peak)})",
         f"plain      {report.plain_step_time_ms:.1f} ms, {memory_size(report.plain_peak)}",
+        f"planning   {report.profile_ms / 1000:.1f} s profiling"
+        + (f" + {report.compile_ms / 1000:.1f} s compiling ({report.compiled})" if report.compiled
+           else ""),
         ("offload    none" if not any(c in OFFLOADS for _, c in report.choices) else
          f"offload    max_inflight {report.max_inflight}; {report.kept_at_turn} modules after the "
          "last offloaded one stay on the GPU at the turn"),
@@ -921,6 +951,12 @@ def _add_plan(sub: Any) -> None:
                    help="write the plan (a `checkpoint.mode: rules` policy) here (never over CONFIG)")
     p.add_argument("--steps", type=int, default=3,
                    help="steps measured under the plan after one warm-up (default 3)")
+    p.add_argument("--compile", choices=["blocks", "model"],
+                   help="plan for a compiled model (overrides the file's `compile.scope`): "
+                        "profile each block, or the whole model, under torch.compile; the plan "
+                        "written says so and actcfg.apply compiles it the same way")
+    p.add_argument("--compile-backend", metavar="NAME",
+                   help="torch.compile backend for --compile (default: the file's, else inductor)")
     p.add_argument("--format", choices=["json", "text"], default="text", help="output format")
     p.set_defaults(run=_plan)
 
