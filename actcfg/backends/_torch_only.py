@@ -34,13 +34,13 @@ def plan_fields(code: str, hint: str) -> dict[str, Entry]:
         "checkpoint.max_inflight": rule,
         "checkpoint.predicted.step_time_ms": Meta("what actcfg plan predicted"),
         "checkpoint.predicted.peak": Meta("what actcfg plan predicted"),
+        "memory_budget": Unsupported(
+            code, "`memory_budget` is torch-only for now: actcfg plans with torch's checkpoint "
+            "and its own offload engine", hint),
         "compile.scope": Unsupported(
             code, "`compile` is torch-only for now: it says how a plan is profiled and applied",
             hint),
         "compile.backend": Unsupported(
             code, "`compile` is torch-only for now: it says how a plan is profiled and applied",
             hint),
-        "memory_budget": Unsupported(
-            code, "`memory_budget` is torch-only for now: actcfg plans with torch's checkpoint "
-            "and its own offload engine", hint),
     }
