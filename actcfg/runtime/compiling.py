@@ -22,10 +22,11 @@ import torch
 from torch import nn
 
 from actcfg.errors import PolicyApplyError
-from actcfg.policy.schema import Compile, Policy
+from actcfg.policy.schema import Policy
 from actcfg.runtime.handle import AppliedPolicy
 from actcfg.runtime.reports import CompileReport
 from actcfg.runtime.wrap import call_inner, override_forward, select_by_rules
+from actcfg.translators import to_torch_native
 
 __all__ = ["apply_compile", "compiled_modules"]
 
@@ -68,7 +69,7 @@ class _CompiledForward:
 
 def apply_compile(model: nn.Module, policy: Policy, handle: AppliedPolicy) -> None:
     """Compile what `policy.compile` names, undoably; recorded on the handle (`handle.compiled`)."""
-    spec: Compile | None = policy.compile
+    spec = to_torch_native(policy).compile  # what `actcfg translate --backend torch` prints
     if spec is None:
         return
     selected = compiled_modules(model, policy)
