@@ -115,6 +115,13 @@ def _uniform(names: Sequence[str], choice: str, pin: bool, pin_budget: int | Non
                   pin=pin, pin_budget=pin_budget, compile=compile)
 
 
+def _graphs_built() -> int:
+    """How many graphs dynamo has built in this process (its own counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def _settle(step: Callable[[], Any], most: int = 8) -> float:
     """Run `step` until its wall time stops falling (within a quarter of the fastest so far),
     at most `most` times; return the milliseconds beyond that many settled steps: the compile
@@ -214,6 +221,7 @@ def profile(
     started = time.perf_counter()
     spent: list[float] = []
     compiled = compile is not None
+    graphs = _graphs_built()
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
     meter = Meter(device)
     can_offload = device.type == "cuda" or (device.type == "cpu" and loopback_enabled())
@@ -277,6 +285,13 @@ def profile(
         raise PlanError("neither a plain step nor one with every candidate checkpointed fits in "
                         "GPU memory: the profile cannot measure this model; reduce the batch, or "
                         "plan over more modules")
+    if compiled and _graphs_built() == graphs:
+        # dynamo gives up quietly (a recompile limit, a frame it skips) and runs eager
+        raise PlanError(
+            f"compile: {{scope: {compile.scope}, backend: {compile.backend}}} asks for a profile "
+            "under torch.compile, and torch.compile built no graph in it (dynamo ran the model "
+            "eagerly): the plan would say nothing about the compiled run; run with "
+            "TORCH_LOGS=recompiles,graph_breaks to see why, or remove `compile`")
     profiled = assemble(names, held, runs, device.type, d2h, h2d, notes)
     compile_ms = sum(spent)
     total_ms = (time.perf_counter() - started) * 1000.0
