@@ -143,7 +143,8 @@ class Profile:
     profile_ms: float = 0.0
     """Wall time of the whole profile, its compiles excluded."""
     compile_ms: float = 0.0
-    """Wall time the profile spent compiling: each compiled run's first step less one step."""
+    """Wall time the profile spent compiling: its counting forwards, and each compiled run's
+    warm-up steps less as many settled steps."""
 
     def copy_ms(self, nbytes: int, to_host: bool) -> float:
         """Milliseconds one copy of `nbytes` takes at the profiled bandwidth."""

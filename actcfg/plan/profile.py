@@ -13,6 +13,11 @@ is put back after: gradients, buffers, training mode and RNG state.
 The jobs live apart: the probe (`actcfg.plan.probe`), the byte counts (`actcfg.plan.saved`), and
 the cost model that turns both into a `Profile` (`actcfg.plan.cost`); this module runs them.
 
+With a policy's `compile:` every run (keep included) is applied compiled, as the plan will run:
+the byte counts are then the compiled graphs' saved tensors, and each run is warmed up until its
+graphs are built; the time that takes is reported apart (`Profile.compile_ms`), and a profile in
+which dynamo built no graph is refused.
+
 On the CPU (tests, or `apply` of a CPU model) the same runs happen, timed with wall-clock hooks;
 memory is not measured there, and its peaks are estimated from the counted bytes (see
 `Profile.notes`). Offload choices are profiled only where offloading runs (CUDA, or the host

@@ -201,8 +201,8 @@ class PlanReport:
     profile_ms: float = 0.0
     """Wall time the profile took, its compiles excluded."""
     compile_ms: float = 0.0
-    """Wall time the profile spent compiling (the first step of each compiled run, less a
-    step's time)."""
+    """Wall time the profile spent compiling (its counting forwards, and each compiled run's
+    warm-up steps less as many settled steps)."""
 
     def summary(self) -> str:
         """One line: the choices and the prediction."""
