@@ -341,6 +341,24 @@ def test_lightning_plans_on_the_first_batch_and_changes_nothing_the_run_sees(tmp
         assert all(torch.equal(v, given["optimizer"][k][n]) for n, v in state.items())
 
 
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:It is recommended to use `self.log")
+def test_lightning_plans_compiled_on_the_first_batch_when_the_policy_says_compile(tmp_path, caplog):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    caplog.set_level(logging.INFO, logger="lightning.pytorch")
+    planning = ActivationPolicy(PL_AUTO + "compile: {scope: blocks, backend: aot_eager}\n")
+    planned = pl_run(tmp_path / "planned", planning)
+    written = tmp_path / "planned" / "actcfg-plan.yaml"
+    assert "compile: {scope: blocks, backend: aot_eager}" in written.read_text()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("actcfg: planned")]
+    assert len(said) == 1 and "compiled (blocks with aot_eager)" in said[0]
+    assert [s["step"] for s in planned["steps"]] == [1, 2, 3]
+    assert all(torch.isfinite(v).all() for v in planned["metrics"].values())
+    torch._dynamo.reset()
+
+
 def test_lightning_manual_optimization_is_refused_before_the_first_step(tmp_path):
     with pytest.raises(PolicyApplyError, match=re.escape(
             "checkpoint.mode auto plans on the first batch, in the training process, and the "
