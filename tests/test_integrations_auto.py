@@ -359,6 +359,15 @@ def test_lightning_plans_compiled_on_the_first_batch_when_the_policy_says_compil
     torch._dynamo.reset()
 
 
+def test_lightning_refuses_whole_model_compile_where_the_trainer_is_built():
+    with pytest.raises(PolicyApplyError, match=re.escape(
+            "compile.scope: `model` compiles the forward of the module the policy is applied to, "
+            "and the Lightning callback applies it to the LightningModule, whose forward Lightning "
+            "does not call (it calls training_step): nothing would run compiled; write "
+            "`compile: {scope: blocks}` to compile each candidate module")):
+        ActivationPolicy(PL_AUTO + "compile: {scope: model}\n")
+
+
 def test_lightning_manual_optimization_is_refused_before_the_first_step(tmp_path):
     with pytest.raises(PolicyApplyError, match=re.escape(
             "checkpoint.mode auto plans on the first batch, in the training process, and the "
