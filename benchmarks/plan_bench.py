@@ -17,7 +17,10 @@ checkpoint-every-block peak to the plain peak, and that peak itself (seed: the o
 and one layer input above it; blocks also at torchtune's offload peak). A time counts only
 beside its proof: gradients equal to plain within 2e-2 relative (bf16; fp16 1e-2), a plan's
 measured peak within its budget, a checkpoint's peak below plain, an offload's bytes moved.
-`--compile` adds torch.compile with `activation_memory_budget` 0.5 and 0.1 (minutes more).
+`--compile` adds torch.compile with `activation_memory_budget` 0.5 and 0.1, and at each of those
+points' measured peak, actcfg's plans with `compile: {scope: blocks}` and `{scope: model}`
+(profiled compiled with inductor, applied compiled; planning and compile time in each row), which
+should fit that peak and run faster (minutes more).
 Writes plan_bench.json, plan_bench.md and plan_bench.png (step time against peak) to --out.
 Medians of --steps steps after two warm-up steps; peaks are the largest over those steps,
 above what is allocated when a step begins (gradients freed), as the planner predicts them.
@@ -61,7 +64,7 @@ installable on the GPU machine); measured instead when torchtune imports."""
 @dataclass
 class Row:
     workload: str
-    kind: str  # plain | uniform | plan | compile
+    kind: str  # plain | uniform | plan | compile | compiled plan
     variant: str
     budget: int | None = None
     step_ms: float = 0.0
@@ -78,6 +81,8 @@ class Row:
     bytes_in: int = 0
     bound_ms: float = 0.0
     policy_yaml: str = ""
+    planning_s: float | None = None  # a compiled plan's profile, its compiles excluded
+    compiling_s: float | None = None  # the time that profile spent compiling
 
 
 @dataclass
@@ -280,6 +285,12 @@ def bench(w: Workload, args: argparse.Namespace, bw: tuple[float, float]) -> tup
             finally:
                 functorch_config.activation_memory_budget = 1.0
                 torch._dynamo.reset()
+            # actcfg's compile-aware plans at that point's peak: profiled compiled, applied compiled
+            point = rows[-1]
+            if point.skipped or point.proof != "ok":
+                continue
+            for scope in ("blocks", "model"):
+                rows.append(compiled_plan_row(w, model, inputs, point, scope, args.steps, ref, bw))
     predicted_uniform = {c: predict(prof, (c,) * len(prof.blocks))[0] for c in prof.choices()}
     meta = {"profile_s": profile_s, "total_s": time.perf_counter() - t0, "blocks": [b.name for b in prof.blocks],
             "profile": prof.to_json(), "copy_windows": prof.copy_windows(),
@@ -287,6 +298,34 @@ def bench(w: Workload, args: argparse.Namespace, bw: tuple[float, float]) -> tup
     del model
     torch.cuda.empty_cache()
     return rows, meta
+
+
+def compiled_plan_row(w: Workload, model: nn.Module, inputs: Any, point: Row, scope: str, steps: int,
+                      ref: dict, bw: tuple[float, float]) -> Row:
+    """actcfg's plan with `compile: {scope}` (inductor) within the peak torch.compile reached at
+    `point`: planned right here (its profile compiled), applied compiled, measured."""
+    row = Row(w.name, "compiled plan", f"actcfg plan, compile {scope}, at {point.variant}'s peak",
+              budget=point.peak)
+    policy = {"version": 1, "checkpoint": {"mode": "auto", "modules": list(w.candidates)},
+              "memory_budget": point.peak, "compile": {"scope": scope}}
+
+    def setup() -> Any:
+        torch._dynamo.reset()
+        handle = apply(model, policy, inputs=inputs)
+        plan = handle.plan
+        row.predicted_step_ms, row.predicted_peak = plan.predicted_step_time_ms, plan.predicted_peak
+        row.choices = [c for _, c in plan.choices]
+        row.max_inflight, row.kept_at_turn = plan.max_inflight, plan.kept_at_turn
+        row.policy_yaml = plan.policy_yaml
+        row.planning_s, row.compiling_s = plan.profile_ms / 1000, plan.compile_ms / 1000
+        return handle
+
+    row = run(w, model, inputs, row, setup, steps, ref, bw)
+    torch._dynamo.reset()
+    print(f"{w.name}: {row.variant:48s} {row.step_ms:8.1f} ms  peak {row.peak / GiB:6.3f} GiB "
+          f"(budget {point.peak / GiB:.3f}; planned in {row.planning_s or 0:.1f} s + "
+          f"{row.compiling_s or 0:.1f} s compiling)  {row.skipped or row.proof}", flush=True)
+    return row
 
 
 def best_uniform(rows: list[Row], workload: str, budget: int) -> Row | None:
@@ -336,6 +375,18 @@ def targets(rows: list[Row], workloads: list[str]) -> list[str]:
             for c in compiled:
                 add(w, f"{p.variant}: faster than {c.variant} (peak {c.peak / GiB:.2f} GiB <= plan's)",
                     f"{p.step_ms:.1f} vs {c.step_ms:.1f} ms", p.step_ms < c.step_ms)
+        # The issue's compile target: at each torch.compile activation_memory_budget point, an
+        # actcfg plan profiled compiled at <= that peak, faster.
+        for cp in (r for r in rows if r.workload == w and r.kind == "compiled plan"):
+            if cp.skipped:
+                add(w, f"{cp.variant}: a plan", cp.skipped, False)
+                continue
+            point = next(r for r in rows if r.workload == w and r.kind == "compile"
+                         and r.variant in cp.variant)
+            add(w, f"{cp.variant}: peak within {point.variant}'s, faster (planned in "
+                   f"{cp.planning_s:.1f} s + {cp.compiling_s:.1f} s compiling)",
+                f"{cp.step_ms:.1f} vs {point.step_ms:.1f} ms, {cp.peak / GiB:.3f} / {point.peak / GiB:.3f} GiB",
+                cp.proof == "ok" and cp.peak <= point.peak and cp.step_ms < point.step_ms)
         ck = next((r for r in rows if r.workload == w and r.variant == "checkpoint every 1"), None)
         # exactly the plan at that peak (the 25/50/75% plans' names begin the same way)
         at_ck = next((p for p in plans if p.variant == "plan at the checkpoint-every-block peak"), None)
@@ -393,12 +444,15 @@ def plot(rows: list[Row], workloads: list[str], path: Path) -> None:
     fig, axes = plt.subplots(1, len(workloads), figsize=(6.5 * len(workloads), 5), squeeze=False)
     for ax, w in zip(axes[0], workloads):
         for kind, marker, color in (("plain", "s", "black"), ("uniform", "o", "tab:gray"),
-                                    ("compile", "^", "tab:orange"), ("plan", "*", "tab:green")):
+                                    ("compile", "^", "tab:orange"), ("plan", "*", "tab:green"),
+                                    ("compiled plan", "P", "tab:red")):
             rs = [r for r in rows if r.workload == w and r.kind == kind and not r.skipped and r.proof == "ok"]
             ax.scatter([r.peak / GiB for r in rs], [r.step_ms for r in rs], marker=marker, color=color,
                        s=140 if kind == "plan" else 50, label={"plain": "plain", "uniform": "uniform policies",
                                                                 "compile": "torch.compile budget",
-                                                                "plan": "actcfg plans"}[kind], zorder=3)
+                                                                "plan": "actcfg plans",
+                                                                "compiled plan": "actcfg plans, compile"}[kind],
+                       zorder=3)
             for r in rs:
                 ax.annotate(r.variant.replace("plan at ", "").split(" (")[0][:28], (r.peak / GiB, r.step_ms),
                             fontsize=7, xytext=(4, 3), textcoords="offset points")

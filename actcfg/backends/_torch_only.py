@@ -37,4 +37,10 @@ def plan_fields(code: str, hint: str) -> dict[str, Entry]:
         "memory_budget": Unsupported(
             code, "`memory_budget` is torch-only for now: actcfg plans with torch's checkpoint "
             "and its own offload engine", hint),
+        "compile.scope": Unsupported(
+            code, "`compile` is torch-only for now: it says how a plan is profiled and applied",
+            hint),
+        "compile.backend": Unsupported(
+            code, "`compile` is torch-only for now: it says how a plan is profiled and applied",
+            hint),
     }

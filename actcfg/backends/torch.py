@@ -5,12 +5,14 @@ from __future__ import annotations
 from actcfg.backends._deepspeed_only import deepspeed_only
 from actcfg.backends.table import Entry, Key, Meta
 
-__all__ = ["CHECKPOINT_API", "OFFLOAD_ENGINE", "PLANNER", "TABLE"]
+__all__ = ["CHECKPOINT_API", "COMPILE_API", "OFFLOAD_ENGINE", "PLANNER", "TABLE"]
 
 CHECKPOINT_API = "torch.utils.checkpoint.checkpoint"
 """The function that checkpoints each selected module, in every mode: it keeps module,
 parameter and state_dict names, composes with FSDP2 and torch.compile (dynamo traces it as a
 higher-order op), and takes `use_reentrant` and `context_fn`."""
+COMPILE_API = "torch.compile"
+"""What compiles a policy's `compile:` scope (each block's forward, or the model's)."""
 OFFLOAD_ENGINE = "actcfg.runtime.offload.OffloadEngine"
 """What offloads saved activations: saved-tensor hooks with grouped side-stream copies."""
 PLANNER = "actcfg.plan"
@@ -39,6 +41,9 @@ TABLE: dict[str, Entry] = {
     "checkpoint.predicted.step_time_ms": Meta("what actcfg plan predicted; verify compares"),
     "checkpoint.predicted.peak": Meta("what actcfg plan predicted; verify compares"),
     "memory_budget": Key("checkpoint.memory_budget"),
+    # compiled after the checkpoint and offload plans (actcfg.runtime.compiling)
+    "compile.scope": Key("compile.scope"),
+    "compile.backend": Key("compile.backend", "backend"),
     **deepspeed_only(),
 }
 """Policy field -> WrapPlan attribute (and the torch keyword argument it becomes)."""

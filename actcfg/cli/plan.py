@@ -25,6 +25,21 @@ def run(args: argparse.Namespace) -> int:
     return rank_zero_writes(_plan_here, args)
 
 
+def _with_compile(args: argparse.Namespace, policy: Any) -> Any:
+    """`policy` with --compile and --compile-backend over its `compile:` (None: a backend given
+    with nothing to compile)."""
+    from actcfg.policy.schema import Compile
+
+    given = policy.compile.model_dump(exclude_unset=True) if policy.compile is not None else {}
+    if args.compile is not None:
+        given["scope"] = args.compile
+    if args.compile_backend is not None:
+        given["backend"] = args.compile_backend
+    if "scope" not in given:
+        return None
+    return policy.model_copy(update={"compile": Compile(**given)})
+
+
 def _plan_here(args: argparse.Namespace, write: bool = True) -> int:
     """Profile, solve, write the rules policy, apply it and measure: exit 0 when the measured
     peak is within the budget, 1 when it is not or no plan fits, 2 for usage."""
@@ -53,6 +68,16 @@ def _plan_here(args: argparse.Namespace, write: bool = True) -> int:
             return refuse_run(args, 2, f"--budget {args.budget!r}: a budget of 0 bytes leaves "
                                            "no room for a training step")
         policy = policy.model_copy(update={"memory_budget": budget})
+    if args.compile is not None or args.compile_backend is not None:
+        try:
+            policy = _with_compile(args, policy)
+        except ValueError as e:  # pydantic's ValidationError: an empty backend name
+            return refuse_run(args, 2, f"--compile-backend {args.compile_backend!r}: "
+                                       f"{e.errors()[0]['msg'] if hasattr(e, 'errors') else e}")
+        if policy is None:
+            return refuse_run(args, 2, "--compile-backend names torch.compile's backend for "
+                                       "--compile (or the file's `compile:`), and neither is "
+                                       "given: add --compile blocks|model")
     if args.steps < 1:
         return refuse_run(args, 2, f"--steps must be at least 1, got {args.steps}")
     from actcfg.verification import load_factory
@@ -94,6 +119,8 @@ def _plan_here(args: argparse.Namespace, write: bool = True) -> int:
         except PlanError as e:
             return refuse_run(args, 1, str(e), status="no-plan-fits")
         with apply(model, planned.policy):
+            if planned.policy.compile is not None:  # its graphs built before the timed steps
+                measure_steps(model, inputs, steps=2)
             step_ms, peak = measure_steps(model, inputs, steps=args.steps)
         step_ms, peak = slowest_rank(step_ms, peak)  # the plan holds only if it holds on each
     report, budget = planned.report, planned.plan.budget
@@ -144,6 +171,9 @@ def _render_plan(args: argparse.Namespace, planned: Any, step_ms: float, peak: i
         f"peak       predicted {memory_size(report.predicted_peak)}, measured {memory_size(peak)} "
         f"(prediction {off(peak, report.predicted_peak)})",
         f"plain      {report.plain_step_time_ms:.1f} ms, {memory_size(report.plain_peak)}",
+        f"planning   {report.profile_ms / 1000:.1f} s profiling"
+        + (f" + {report.compile_ms / 1000:.1f} s compiling ({report.compiled})" if report.compiled
+           else ""),
         ("offload    none" if not any(c in OFFLOADS for _, c in report.choices) else
          f"offload    max_inflight {report.max_inflight}; {report.kept_at_turn} modules after the "
          "last offloaded one stay on the GPU at the turn"),
@@ -172,5 +202,11 @@ def add_parser(sub: Any) -> None:
                    help="write the plan (a `checkpoint.mode: rules` policy) here (never over CONFIG)")
     p.add_argument("--steps", type=int, default=3,
                    help="steps measured under the plan after one warm-up (default 3)")
+    p.add_argument("--compile", choices=["blocks", "model"],
+                   help="plan for a compiled model (overrides the file's `compile.scope`): "
+                        "profile each block, or the whole model, under torch.compile; the plan "
+                        "written says so and actcfg.apply compiles it the same way")
+    p.add_argument("--compile-backend", metavar="NAME",
+                   help="torch.compile backend for --compile (default: the file's, else inductor)")
     p.add_argument("--format", choices=["json", "text"], default="text", help="output format")
     p.set_defaults(run=run)

@@ -303,8 +303,12 @@ def _refuse_planning_in(args: TrainingArguments) -> None:
     elif args.n_gpu > 1:
         why = f"the Trainer wraps the model in DataParallel over {args.n_gpu} GPUs"
     elif getattr(args, "torch_compile", False):
+        # Trainer compiles after the callback could plan, so the profile would run eager; with
+        # `compile:` in the policy actcfg profiles and applies the plan compiled itself instead.
         why = ("TrainingArguments(torch_compile=True) compiles the model, and a plan profiled "
-               "in eager is not what runs compiled")
+               "in eager is not what runs compiled (to plan compiled, set torch_compile=False "
+               "and write `compile: {scope: model}` beside memory_budget: actcfg then profiles "
+               "and applies the plan compiled)")
     elif getattr(args, "label_smoothing_factor", 0):
         why = ("TrainingArguments(label_smoothing_factor) takes the labels out of the batch "
                "before the model sees it, so the profile has no loss to run backward from")

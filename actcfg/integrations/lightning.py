@@ -111,6 +111,7 @@ class ActivationPolicy(pl.Callback):
         self.plan_file: Path | None
         """The plan applied instead of planning (`plan_file=`), else None."""
         self.plan_file, self._plan = load_plan_file(self.policy, plan_file)
+        _refuse_whole_model_compile(self._plan or self.policy, self.plan_file)
         self.backend = backend
         self.mpu = mpu
         self.applied: AppliedPolicy | None = None
@@ -292,6 +293,20 @@ def _logs_thrown_away(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Ite
     finally:
         loop._results = kept
         pl_module._current_fx_name = fx
+
+
+def _refuse_whole_model_compile(policy: Policy, plan_file: Path | None) -> None:
+    """PolicyApplyError for `compile: {scope: model}`: the policy is applied to the
+    LightningModule, whose forward Lightning never calls (it calls training_step), so nothing
+    would be compiled, while the profile compiles training_step itself."""
+    if policy.compile is None or policy.compile.scope != "model":
+        return
+    where = f"{plan_file}: " if plan_file is not None else ""
+    raise PolicyApplyError(
+        f"{where}compile.scope: `model` compiles the forward of the module the policy is applied "
+        "to, and the Lightning callback applies it to the LightningModule, whose forward "
+        "Lightning does not call (it calls training_step): nothing would run compiled; write "
+        "`compile: {scope: blocks}` to compile each candidate module")
 
 
 def _refuse_planning_in(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -9,6 +9,7 @@ dynamic program over the profile, `write` turns the choice into an explicit
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -68,9 +69,12 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
 
     _refuse_frozen(model)
     checked = _checked_loss(loss_fn if loss_fn is not None else default_loss, loss_fn is None)
-    profiled = run_profile(model, policy.checkpoint.modules, inputs, loss_fn=checked, apply=apply,
-                           pin=policy.pin, pin_budget=policy.pin_budget)
-    profiled = one_profile(profiled)  # the identity without a process group
+    local = run_profile(model, policy.checkpoint.modules, inputs, loss_fn=checked, apply=apply,
+                        pin=policy.pin, pin_budget=policy.pin_budget, compile=policy.compile)
+    profiled = one_profile(local)  # the identity without a process group
+    # How long this rank's profile took, and how it was compiled, are this rank's own readings.
+    profiled = dataclasses.replace(profiled, compiled=local.compiled, profile_ms=local.profile_ms,
+                                   compile_ms=local.compile_ms)
     plan = solve(profiled, policy.memory_budget)
     planned = plan_policy(plan, policy)
     text = policy_yaml(planned, plan, profiled, origin=origin)

@@ -138,6 +138,13 @@ class Profile:
     """The uniform runs measured while profiling: choice -> {step_ms, peak}."""
     notes: tuple[str, ...] = ()
     """What the profile could not measure and estimated instead."""
+    compiled: str = ""
+    """How every run was compiled (`blocks with inductor`); empty: eager."""
+    profile_ms: float = 0.0
+    """Wall time of the whole profile, its compiles excluded."""
+    compile_ms: float = 0.0
+    """Wall time the profile spent compiling: its counting forwards, and each compiled run's
+    warm-up steps less as many settled steps."""
 
     def copy_ms(self, nbytes: int, to_host: bool) -> float:
         """Milliseconds one copy of `nbytes` takes at the profiled bandwidth."""

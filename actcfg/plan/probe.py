@@ -112,9 +112,12 @@ class Probe:
         self.n = len(modules)
         self.recording = False
         self.handles = []
+        # Never traced: inside a model compiled whole, dynamo would fold the clock reads into its
+        # graph; disabled, each hook breaks the graph at the block boundary and runs as written.
         for i, module in enumerate(modules):
-            self.handles.append(module.register_forward_pre_hook(self._pre(i), with_kwargs=True))
-            self.handles.append(module.register_forward_hook(self._post(i)))
+            self.handles.append(module.register_forward_pre_hook(
+                torch.compiler.disable(self._pre(i)), with_kwargs=True))
+            self.handles.append(module.register_forward_hook(torch.compiler.disable(self._post(i))))
         self._reset()
 
     def _reset(self) -> None:

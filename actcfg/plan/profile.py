@@ -13,6 +13,11 @@ is put back after: gradients, buffers, training mode and RNG state.
 The jobs live apart: the probe (`actcfg.plan.probe`), the byte counts (`actcfg.plan.saved`), and
 the cost model that turns both into a `Profile` (`actcfg.plan.cost`); this module runs them.
 
+With a policy's `compile:` every run (keep included) is applied compiled, as the plan will run:
+the byte counts are then the compiled graphs' saved tensors, and each run is warmed up until its
+graphs are built; the time that takes is reported apart (`Profile.compile_ms`), and a profile in
+which dynamo built no graph is refused.
+
 On the CPU (tests, or `apply` of a CPU model) the same runs happen, timed with wall-clock hooks;
 memory is not measured there, and its peaks are estimated from the counted bytes (see
 `Profile.notes`). Offload choices are profiled only where offloading runs (CUDA, or the host
@@ -22,9 +27,11 @@ loopback).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import statistics
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -42,7 +49,7 @@ from actcfg.plan.model import CHOICE_OF, CHOICES, OFFLOADS, Profile
 from actcfg.plan.probe import Meter, Probe, copy_bandwidth
 from actcfg.plan.saved import saved_bytes
 from actcfg.plan.trial import Apply
-from actcfg.policy.schema import DEFAULT_SAVE_OPS, Policy, RulesCheckpoint
+from actcfg.policy.schema import DEFAULT_SAVE_OPS, Compile, Policy, RulesCheckpoint
 from actcfg.plan.write import exact_pattern
 from actcfg.runtime.step import default_loss, split_inputs
 
@@ -99,30 +106,80 @@ def _restored(model: nn.Module) -> Iterator[None]:
             m.training = flag
 
 
-def _uniform(names: Sequence[str], choice: str, pin: bool, pin_budget: int | None) -> Policy:
+def _uniform(names: Sequence[str], choice: str, pin: bool, pin_budget: int | None,
+             compile: Compile | None = None) -> Policy:
     # Names as exact patterns: a ModuleDict key `r[!a]` as a pattern matches `rb`, not itself.
+    # With `compile`, the trial is compiled as the plan will be (keep too: a `mode: none` rule).
     chosen = CHOICE_OF[choice]
     rule = chosen.rule(tuple(exact_pattern(n) for n in names))
     if not chosen.offload:
-        return Policy(version=1, checkpoint=RulesCheckpoint(mode="rules", rules=(rule,)))
+        return Policy(version=1, checkpoint=RulesCheckpoint(mode="rules", rules=(rule,)),
+                      compile=compile)
     return Policy(version=1, checkpoint=RulesCheckpoint(mode="rules", rules=(rule,), keep_last=0,
                                                         max_inflight=1),
-                  pin=pin, pin_budget=pin_budget)
+                  pin=pin, pin_budget=pin_budget, compile=compile)
+
+
+def _graphs_built() -> int:
+    """How many graphs dynamo has built in this process (its own counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _settle(step: Callable[[], Any], most: int = 8) -> float:
+    """Run `step` until its wall time stops falling (within a quarter of the fastest so far),
+    at most `most` times; return the milliseconds beyond that many settled steps: the compile
+    time. torch.compile builds graphs lazily (backward at its first call, each graph-break
+    continuation at its first reach), so one warm-up step is not enough."""
+    times: list[float] = []
+    while len(times) < most:
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+        if len(times) >= 2 and times[-1] <= 1.25 * min(times[:-1]):
+            break
+    return max(0.0, sum(times) - len(times) * min(times)) * 1000.0
+
+
+@contextlib.contextmanager
+def _compiling(spent: list[float], compiled: bool) -> Iterator[None]:
+    """Adds the wall time inside to `spent` when the model is compiled: a run's first call
+    compiles its graphs (the counting forwards', the warm-up steps')."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if compiled:
+            spent.append((time.perf_counter() - start) * 1000.0)
 
 
 def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], choice: str,
          args: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor],
          apply: Apply, meter: Meter, steps: int, pin: bool,
-         pin_budget: int | None) -> Run:
-    handle = None if choice == "keep" else apply(model, _uniform(names, choice, pin, pin_budget))
+         pin_budget: int | None, compile: Compile | None = None,
+         spent: list[float] | None = None) -> Run:
+    handle = None if choice == "keep" and compile is None else \
+        apply(model, _uniform(names, choice, pin, pin_budget, compile))
     probe = Probe(modules, meter)
+    spent = [] if spent is None else spent
+    compiled = compile is not None
     try:
-        probe.step(model, args, kwargs, loss_fn)  # warm-up: pinned pools, allocator, kernels
+        # warm-up: pinned pools, allocator, kernels; compiled, until the graphs are all built
+        if compiled:
+            spent.append(_settle(lambda: probe.step(model, args, kwargs, loss_fn)))
+        else:
+            probe.step(model, args, kwargs, loss_fn)
         measured = [probe.step(model, args, kwargs, loss_fn) for _ in range(steps)]
         probe.remove()
         # The probe's per-block hooks and events cost time of their own, which dominates small
         # blocks (on an H200, 8 blocks of d_model 1024 timed 27 ms probed, 17 ms unprobed): the
-        # same steps unprobed scale every time the probe read.
+        # same steps unprobed scale every time the probe read. Compiled whole (`scope: model`),
+        # the probe's hooks break the model's graph at the blocks; without them it is one graph
+        # again, compiled here before the unprobed steps are timed.
+        if compiled:
+            spent.append(_settle(lambda: measure_steps(model, kwargs if kwargs else tuple(args),
+                                                       loss_fn=loss_fn, steps=1)))
         unprobed, _ = measure_steps(model, kwargs if kwargs else tuple(args), loss_fn=loss_fn,
                                     steps=steps)
         moved = [0] * len(names)
@@ -158,10 +215,18 @@ def profile(
     pin_budget: int | None = None,
     steps: int = 2,
     choices: Sequence[str] | None = None,
+    compile: Compile | None = None,
 ) -> Profile:
     """Profile one training step of `model` on `inputs` per candidate (`modules`: fnmatch
     patterns) under each choice; `apply` applies a concrete policy (`actcfg.api` passes it). Everything the runs change
-    is put back; PlanError when a candidate is never called or the plain step cannot be run."""
+    is put back; PlanError when a candidate is never called or the plain step cannot be run.
+
+    With `compile` every run is compiled as the plan will be (`apply` compiles each uniform
+    policy, keep included), and the time spent compiling is kept apart (`Profile.compile_ms`)."""
+    started = time.perf_counter()
+    spent: list[float] = []
+    compiled = compile is not None
+    graphs = _graphs_built()
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
     meter = Meter(device)
     can_offload = device.type == "cuda" or (device.type == "cpu" and loopback_enabled())
@@ -177,7 +242,8 @@ def profile(
         model.train()
         with torch.enable_grad():
             try:
-                held = {"keep": saved_bytes(model, blocks, args, kwargs)}
+                with _compiling(spent, compiled), _trial(model, names, compile, pin, pin_budget, apply):
+                    held = {"keep": saved_bytes(model, blocks, args, kwargs)}
             except torch.cuda.OutOfMemoryError:
                 oom = True
             else:
@@ -191,18 +257,21 @@ def profile(
                     "batch (the plan's choices scale with it), or on a GPU with more memory")
             for choice in ("full", "selective"):
                 if choice in wanted:
-                    handle = apply(model, _uniform(names, choice, pin, pin_budget))
+                    handle = apply(model, _uniform(names, choice, pin, pin_budget, compile))
                     try:
-                        held[choice] = saved_bytes(model, blocks, args, kwargs)
+                        with _compiling(spent, compiled):
+                            held[choice] = saved_bytes(model, blocks, args, kwargs)
                     finally:
                         handle.remove()
-            if "selective" in wanted:  # its inputs (counted above) and its saved ops' outputs
+            # Eager, its inputs (counted above) and its saved ops' outputs, which bypass the
+            # hooks; compiled, the graph saves those outputs itself and the hooks counted them.
+            if "selective" in wanted and not compiled:
                 outputs = saved_bytes(model, blocks, args, kwargs, save_ops=resolve_ops(DEFAULT_SAVE_OPS))
                 held["selective"] = [s + o for s, o in zip(held["selective"], outputs)]
             for choice in wanted:
                 try:
                     runs[choice] = _run(model, blocks, names, choice, args, kwargs, loss, apply,
-                                        meter, steps, pin, pin_budget)
+                                        meter, steps, pin, pin_budget, compile, spent)
                 except torch.cuda.OutOfMemoryError:
                     notes.append(f"{choice}: out of GPU memory in its uniform run; "
                                  + ("estimated from full" if choice == "keep" else "not a choice"))
@@ -221,7 +290,33 @@ def profile(
         raise PlanError("neither a plain step nor one with every candidate checkpointed fits in "
                         "GPU memory: the profile cannot measure this model; reduce the batch, or "
                         "plan over more modules")
-    return assemble(names, held, runs, device.type, d2h, h2d, notes)
+    if compiled and _graphs_built() == graphs:
+        # dynamo gives up quietly (a recompile limit, a frame it skips) and runs eager
+        raise PlanError(
+            f"compile: {{scope: {compile.scope}, backend: {compile.backend}}} asks for a profile "
+            "under torch.compile, and torch.compile built no graph in it (dynamo ran the model "
+            "eagerly): the plan would say nothing about the compiled run; run with "
+            "TORCH_LOGS=recompiles,graph_breaks to see why, or remove `compile`")
+    profiled = assemble(names, held, runs, device.type, d2h, h2d, notes)
+    compile_ms = sum(spent)
+    total_ms = (time.perf_counter() - started) * 1000.0
+    return dataclasses.replace(
+        profiled, compiled=f"{compile.scope} with {compile.backend}" if compile else "",
+        compile_ms=compile_ms, profile_ms=max(0.0, total_ms - compile_ms))
+
+
+@contextlib.contextmanager
+def _trial(model: nn.Module, names: Sequence[str], compile: Compile | None, pin: bool,
+           pin_budget: int | None, apply: Apply) -> Iterator[None]:
+    """The plain model for the keep count: as it is, or compiled with a `mode: none` rule."""
+    if compile is None:
+        yield
+        return
+    handle = apply(model, _uniform(names, "keep", pin, pin_budget, compile))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def measure_steps(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None,

@@ -35,9 +35,11 @@ class _Attribution:
         self.current: int | None = None
         self.seen: set[int] = set()
         self.handles = []
+        # Never traced (see `Probe`): in a model compiled whole, dynamo would replay these
+        # attribute writes after its graph, when the saved tensors are already packed.
         for i, module in enumerate(modules):
-            self.handles.append(module.register_forward_pre_hook(self._enter(i)))
-            self.handles.append(module.register_forward_hook(self._leave(i)))
+            self.handles.append(module.register_forward_pre_hook(torch.compiler.disable(self._enter(i))))
+            self.handles.append(module.register_forward_hook(torch.compiler.disable(self._leave(i))))
 
     def _enter(self, i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:

@@ -77,6 +77,9 @@ class Plan:
             kept_at_turn=self.kept_at_turn,
             policy_yaml=policy_yaml,
             device=profile.device,
+            compiled=profile.compiled or None,
+            profile_ms=profile.profile_ms,
+            compile_ms=profile.compile_ms,
         )
 
     def to_json(self) -> dict[str, Any]:

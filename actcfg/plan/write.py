@@ -67,7 +67,9 @@ def plan_policy(plan: Plan, source: Any) -> Policy:
     if offloads and source.pin_budget_per_node is not None:
         host["pin_budget_per_node"] = source.pin_budget_per_node
     checkpoint = RulesCheckpoint(mode="rules", rules=rules, **schedule, predicted=predicted)
-    return Policy(version=1, backend=source.backend, checkpoint=checkpoint, **host)
+    # Profiled compiled, applied compiled: the rules file carries `compile` and apply compiles.
+    compiled = {"compile": source.compile} if source.compile is not None else {}
+    return Policy(version=1, backend=source.backend, checkpoint=checkpoint, **host, **compiled)
 
 
 def policy_yaml(policy: Policy, plan: Plan, profile: Profile, *, origin: str = "") -> str:
@@ -77,7 +79,8 @@ def policy_yaml(policy: Policy, plan: Plan, profile: Profile, *, origin: str = "
     lines = [
         f"# Written by actcfg plan{f' from {origin}' if origin else ''}: the fastest per-module "
         f"choices whose predicted peak fits memory_budget {format_size(plan.budget)}",
-        f"# ({profile.device} profile; without a policy the step took {profile.plain_step_ms:.1f} ms "
+        f"# ({profile.device} profile{f', compiled ({profile.compiled})' if profile.compiled else ''}; "
+        f"without a policy the step took {profile.plain_step_ms:.1f} ms "
         f"and peaked at {memory_size(profile.plain_peak)}). Check it with `actcfg verify`.",
         "version: 1",
         f"backend: {policy.backend.value}",
@@ -99,6 +102,10 @@ def policy_yaml(policy: Policy, plan: Plan, profile: Profile, *, origin: str = "
         lines.append(f"pin_budget: {format_size(policy.pin_budget)}")
     if policy.pin_budget_per_node is not None:
         lines.append(f"pin_budget_per_node: {format_size(policy.pin_budget_per_node)}")
+    if policy.compile is not None:
+        spec = policy.compile
+        backend = "" if "backend" not in spec.model_fields_set else f", backend: {_scalar(spec.backend)}"
+        lines.append(f"compile: {{scope: {spec.scope}{backend}}}")
     return "\n".join(lines) + "\n"
 
 

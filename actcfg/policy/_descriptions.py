@@ -26,6 +26,8 @@ DESCRIPTIONS: dict[str, str] = {
     'RulesCheckpoint.predicted': 'What `actcfg plan` predicted for these rules (`step_time_ms`, `peak`); `actcfg verify`\nreports it beside what it measures.',
     'AutoCheckpoint.mode': '`auto`: plan from a profile of one training step on the GPU (`actcfg plan`, or\n`actcfg.apply(model, policy, inputs=...)`).',
     'AutoCheckpoint.modules': "The candidate modules the plan chooses for (the model's blocks, such as `[Block]`): fnmatch\npatterns on class names and qualified names; each keeps, checkpoints or offloads as planned.",
+    'Compile.scope': "`blocks`: each candidate module's forward is compiled (the modules `checkpoint.modules`\nnames, every module a rule takes in a plan); `model`: the whole model's forward is compiled.",
+    'Compile.backend': "torch.compile's `backend=`: `inductor` (torch's default, as on a CUDA GPU) unless set;\n`aot_eager` traces autograd as inductor does without generating code (no C compiler needed:\nCPU tests). The plan is profiled with this backend and applied with it.",
     'Policy.version': 'Schema version of this file; this actcfg reads version 1.',
     'Policy.backend': 'Backend that `actcfg.apply` and `actcfg translate` use unless told otherwise.',
     'Policy.checkpoint': 'Activation checkpointing: which modules recompute their activations in backward.',
@@ -39,4 +41,5 @@ DESCRIPTIONS: dict[str, str] = {
     'Policy.synchronize': 'DeepSpeed only: synchronize the device at every checkpoint boundary\n(DeepSpeed `synchronize_checkpoint_boundary`); for debugging and timing.',
     'Policy.profile': 'DeepSpeed only: time checkpoint forward and backward passes (DeepSpeed `profile`).',
     'Policy.memory_budget': "torch only, with `checkpoint.mode: auto`: the most GPU memory one training step may\nallocate above what is allocated when it begins (activations, their gradients and the\nstep's parameter gradients), in bytes or a human size (`40GiB`); the plan keeps its peak\nwithin it.",
+    'Policy.compile': 'torch only, with `checkpoint.mode: auto` or `rules`: the model runs under torch.compile\n(`{scope: blocks|model, backend: inductor}`): the plan is profiled compiled, and\n`actcfg.apply` compiles after applying the rules. Unset: eager, and actcfg compiles nothing.',
 }

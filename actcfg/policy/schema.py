@@ -39,6 +39,7 @@ __all__ = [
     "AutoCheckpoint",
     "Backend",
     "Checkpoint",
+    "Compile",
     "DEFAULT_SAVE_OPS",
     "ExternalCheckpoint",
     "Finding",
@@ -315,6 +316,25 @@ class AutoCheckpoint(_Strict):
     patterns on class names and qualified names; each keeps, checkpoints or offloads as planned."""
 
 
+class Compile(_Strict):
+    """torch only, with `checkpoint.mode: auto` (and the `mode: rules` plan it writes): the model
+    runs under torch.compile, so the plan is profiled compiled and `actcfg.apply` compiles it the
+    same way after applying the rules (checkpoint, then compile, as torchtitan orders them).
+
+    Both ways people compile are spelled, because they plan differently: per block (torchtitan
+    compiles each transformer block; graphs end at block boundaries, and identical blocks share
+    one graph) and the whole model (one graph, which may fuse and save across blocks)."""
+
+    scope: Literal["blocks", "model"] = Field(description=_DOC["Compile.scope"])
+    """`blocks`: each candidate module's forward is compiled (the modules `checkpoint.modules`
+    names, every module a rule takes in a plan); `model`: the whole model's forward is compiled."""
+
+    backend: StrictStr = Field("inductor", min_length=1, description=_DOC["Compile.backend"])
+    """torch.compile's `backend=`: `inductor` (torch's default, as on a CUDA GPU) unless set;
+    `aot_eager` traces autograd as inductor does without generating code (no C compiler needed:
+    CPU tests). The plan is profiled with this backend and applied with it."""
+
+
 Checkpoint = Annotated[
     Union[NoCheckpoint, FullCheckpoint, SelectiveCheckpoint, ExternalCheckpoint, RulesCheckpoint,
           AutoCheckpoint],
@@ -390,6 +410,14 @@ def _plan_rules(policy: Policy) -> list[Finding]:
                     ))
     if ckpt.mode == "auto" and MODULES_PLACEHOLDER in ckpt.modules:
         out.append(_placeholder(("checkpoint", "modules")))
+    if policy.compile is not None and ckpt.mode not in ("auto", "rules"):
+        out.append(Finding(
+            "compile-without-plan", "error", ("compile",),
+            f"`compile` says the plan is profiled and applied under torch.compile, but "
+            f"checkpoint.mode is {ckpt.mode}: there is no plan to profile",
+            "remove `compile` (and compile the model yourself), or write `checkpoint: {mode: auto, "
+            "modules: [...]}` with `memory_budget` to plan under compile",
+        ))
     return out
 
 
@@ -534,6 +562,11 @@ class Policy(_Strict):
     allocate above what is allocated when it begins (activations, their gradients and the
     step's parameter gradients), in bytes or a human size (`40GiB`); the plan keeps its peak
     within it."""
+
+    compile: Compile | None = Field(None, description=_DOC["Policy.compile"])
+    """torch only, with `checkpoint.mode: auto` or `rules`: the model runs under torch.compile
+    (`{scope: blocks|model, backend: inductor}`): the plan is profiled compiled, and
+    `actcfg.apply` compiles after applying the rules. Unset: eager, and actcfg compiles nothing."""
 
     @model_validator(mode="after")
     def _cross_field_rules(self, info: ValidationInfo) -> Policy:

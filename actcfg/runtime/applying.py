@@ -18,6 +18,7 @@ from torch import nn
 
 from actcfg.errors import PolicyApplyError
 from actcfg.policy.schema import Backend, Policy
+from actcfg.runtime.compiling import apply_compile
 from actcfg.runtime.deepspeed_applier import apply_deepspeed
 from actcfg.runtime.handle import LIVE, AppliedPolicy
 from actcfg.runtime.reports import PlanReport
@@ -48,6 +49,8 @@ def apply_policy(model: nn.Module, policy: Policy, backend: Backend, *, mpu: Any
         handle.set_plan(plan)
     try:
         APPLIERS[backend](model, policy, handle, mpu)
+        if policy.compile is not None:  # after the rules, as torchtitan compiles after AC
+            apply_compile(model, policy, handle)
         model.__dict__[APPLIED] = Marker(handle.summary())
         handle.undo.push(lambda: model.__dict__.pop(APPLIED, None))
     except BaseException:

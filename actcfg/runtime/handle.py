@@ -15,6 +15,7 @@ from actcfg.policy.schema import Backend, Policy, format_size
 from actcfg.runtime.reports import (
     CheckpointCounters,
     CheckpointReport,
+    CompileReport,
     DeepSpeedReport,
     OffloadReport,
     PlanReport,
@@ -76,6 +77,8 @@ class AppliedPolicy:
         """With rules: each rule's own checkpoint counters (`counters` sums them)."""
         self.plan: PlanReport | None = None
         """With `checkpoint.mode: auto`: what was planned and predicted."""
+        self.compiled: CompileReport | None = None
+        """With `compile:`: what actcfg compiled, and how."""
         self.offload_group_names: dict[int, str] = {}
         """Offload group index -> the module that opened it, in the last step."""
         self._read_deepspeed: Callable[[], dict[str, Any]] | None = None
@@ -96,6 +99,11 @@ class AppliedPolicy:
         """Record the rules applied, each with the modules it took."""
         assert self.rules is None
         self.rules = rules
+
+    def set_compile(self, report: CompileReport) -> None:
+        """Record what `compile:` compiled."""
+        assert self.compiled is None
+        self.compiled = report
 
     def set_plan(self, plan: PlanReport) -> None:
         """Record what `checkpoint.mode: auto` planned."""
@@ -169,6 +177,8 @@ class AppliedPolicy:
                 out["effect"]["offload_groups"] = self.offload_groups()
         if self.plan is not None:
             out["plan"] = self.plan.to_json()
+        if self.compiled is not None:
+            out["compile"] = self.compiled.to_json()
         return out
 
     def summary(self) -> str:
@@ -204,6 +214,10 @@ class AppliedPolicy:
         if self.deepspeed is not None:
             on = [k for k, v in self.deepspeed.configure_kwargs.items() if v not in (False, None)]
             parts.append("deepspeed.checkpointing.configure(" + (", ".join(on) or "defaults") + ")")
+        if self.compiled is not None:
+            what = ("the model" if self.compiled.scope == "model"
+                    else f"{len(self.compiled.modules)} modules")
+            parts.append(f"torch.compile of {what} (backend {self.compiled.backend})")
         return "; ".join(parts)
 
     def remove(self) -> None:

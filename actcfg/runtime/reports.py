@@ -153,6 +153,22 @@ class RuleReport:
 
 
 @dataclass(frozen=True)
+class CompileReport:
+    """What a policy's `compile:` compiled: the scope, torch.compile's backend and the modules."""
+
+    scope: str
+    """`blocks` (each module a rule takes) or `model` (the root)."""
+    backend: str
+    """torch.compile's `backend=`."""
+    modules: tuple[str, ...]
+    """Qualified names of the compiled modules (`""`: the model itself)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able form."""
+        return {"scope": self.scope, "backend": self.backend, "modules": list(self.modules)}
+
+
+@dataclass(frozen=True)
 class PlanReport:
     """What `checkpoint.mode: auto` planned: the choice per candidate module, what the plan
     predicted, and the rules policy that was applied (the same `actcfg plan` would write).
@@ -180,6 +196,13 @@ class PlanReport:
     device: str
     """Where the profile ran (`cuda`, or `cpu`, where times are wall-clock and memory is counted
     from saved tensors, not measured)."""
+    compiled: str | None = None
+    """How the profile's runs were compiled (`blocks with inductor`), None: eager."""
+    profile_ms: float = 0.0
+    """Wall time the profile took, its compiles excluded."""
+    compile_ms: float = 0.0
+    """Wall time the profile spent compiling (its counting forwards, and each compiled run's
+    warm-up steps less as many settled steps)."""
 
     def summary(self) -> str:
         """One line: the choices and the prediction."""
@@ -190,7 +213,10 @@ class PlanReport:
         return (f"actcfg: planned {len(self.choices)} modules within memory_budget "
                 f"{memory_size(self.memory_budget)}: {mix}; predicted {self.predicted_step_time_ms:.1f} ms, "
                 f"peak {memory_size(self.predicted_peak)} (plain {self.plain_step_time_ms:.1f} ms, "
-                f"{memory_size(self.plain_peak)}; profiled on {self.device})")
+                f"{memory_size(self.plain_peak)}; profiled on {self.device}"
+                + (f", compiled ({self.compiled})" if self.compiled else "")
+                + f"; planning took {self.profile_ms / 1000:.1f} s"
+                + (f" + {self.compile_ms / 1000:.1f} s compiling" if self.compiled else "") + ")")
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able form (the `plan` section of an applied policy's report)."""
@@ -210,5 +236,7 @@ class PlanReport:
             "max_inflight": self.max_inflight, "kept_at_turn": self.kept_at_turn,
             "predicted": {"step_time_ms": self.predicted_step_time_ms, "peak": self.predicted_peak},
             "plain": {"step_time_ms": self.plain_step_time_ms, "peak": self.plain_peak},
+            "planning": {"profile_ms": self.profile_ms, "compile_ms": self.compile_ms,
+                         "compiled": self.compiled},
             "plan": self.policy_yaml,
         }

@@ -9,12 +9,13 @@ once, in `actcfg.backends.torch.TABLE`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from actcfg.backends import Backend
 from actcfg.backends.table import MISSING, Key, field_value
-from actcfg.backends.torch import CHECKPOINT_API, OFFLOAD_ENGINE, PLANNER, TABLE
+from actcfg.backends.torch import CHECKPOINT_API, COMPILE_API, OFFLOAD_ENGINE, PLANNER, TABLE
 from actcfg.policy.schema import DEFAULT_SAVE_OPS, Policy
 from actcfg.translators._refuse import refuse_inexpressible
 
@@ -23,6 +24,7 @@ __all__ = [
     "OFFLOAD_ENGINE",
     "PLANNER",
     "CheckpointPlan",
+    "CompilePlan",
     "ExternalCheckpointPlan",
     "OffloadPlan",
     "PlanRequest",
@@ -197,18 +199,40 @@ class OffloadPlan:
 
 
 @dataclass(frozen=True, kw_only=True)
-class WrapPlan:
-    """What the torch runtime does to a model: checkpoint wrapping and activation offload."""
+class CompilePlan:
+    """`compile:`: torch.compile over what the checkpoint and offload plans put in place, per
+    block or whole (the plan is profiled this way and applied this way)."""
 
-    checkpoint: CheckpointPlan | ExternalCheckpointPlan | RulesPlan | PlanRequest | None
-    offload: OffloadPlan | None
+    scope: Literal["blocks", "model"]
+    """`blocks`: each module a rule takes (or each candidate of a plan request); `model`: the root."""
+    backend: str
+    """torch.compile's `backend=`."""
+    api: str = COMPILE_API
+    """What compiles."""
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able form, keys in a stable order."""
-        return {
+        return {"api": self.api, "scope": self.scope, "backend": self.backend}
+
+
+@dataclass(frozen=True, kw_only=True)
+class WrapPlan:
+    """What the torch runtime does to a model: checkpoint wrapping and activation offload, then
+    torch.compile where the policy says `compile`."""
+
+    checkpoint: CheckpointPlan | ExternalCheckpointPlan | RulesPlan | PlanRequest | None
+    offload: OffloadPlan | None
+    compile: CompilePlan | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able form, keys in a stable order (`compile` only where the policy compiles)."""
+        out = {
             "checkpoint": None if self.checkpoint is None else self.checkpoint.to_json(),
             "offload": None if self.offload is None else self.offload.to_json(),
         }
+        if self.compile is not None:
+            out["compile"] = self.compile.to_json()
+        return out
 
 
 def _destinations(policy: Policy) -> dict[str, Any]:
@@ -227,13 +251,16 @@ def to_torch_native(policy: Policy) -> WrapPlan:
     refuse_inexpressible(policy, Backend.TORCH)
     dest = _destinations(policy)
     mode = dest["checkpoint"]
+    compiled = None
+    if dest.get("compile.scope", MISSING) is not MISSING:
+        compiled = CompilePlan(scope=dest["compile.scope"], backend=dest["compile.backend"])
     if mode == "rules":
-        return _rules_plan(policy, dest)
+        return dataclasses.replace(_rules_plan(policy, dest), compile=compiled)
     if mode == "auto":
         # What the plan offloads is decided by the planner; its rules carry pin and pin_budget.
         return WrapPlan(checkpoint=PlanRequest(modules=tuple(dest["checkpoint.modules"]),
                                                memory_budget=dest["checkpoint.memory_budget"]),
-                        offload=None)
+                        offload=None, compile=compiled)
     checkpoint: CheckpointPlan | ExternalCheckpointPlan | RulesPlan | PlanRequest | None = None
     if mode == "external":
         checkpoint = ExternalCheckpointPlan()

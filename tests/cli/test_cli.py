@@ -532,6 +532,11 @@ def test_plan_without_a_gpu_is_a_usage_error_in_one_sentence(run_cli):
     (["configs/torch-memory-budget.yaml", "--model", "actcfg.probes"], 2,
      "actcfg: error: --model 'actcfg.probes': write it as pkg.module:factory (for example "
      "actcfg.probes:linear_chain)\n"),
+    (["configs/torch-memory-budget.yaml", "--compile-backend", "aot_eager"], 2,
+     "actcfg: error: --compile-backend names torch.compile's backend for --compile (or the "
+     "file's `compile:`), and neither is given: add --compile blocks|model\n"),
+    (["configs/torch-memory-budget.yaml", "--compile", "blocks", "--compile-backend", ""], 2,
+     "actcfg: error: --compile-backend '': String should have at least 1 character\n"),
 ])
 def test_plan_usage_errors_exit_2_before_any_gpu_work(run_cli, monkeypatch, argv, code, err):
     monkeypatch.chdir(ROOT)

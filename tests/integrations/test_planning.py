@@ -12,6 +12,7 @@ The `cuda` test plans GPT-2 in a Hugging Face Trainer and holds the first step t
 from __future__ import annotations
 
 import logging
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -186,6 +187,37 @@ def test_hf_plan_file_refusals_before_training(tmp_path):
         trainer.train()
 
 
+def test_hf_torch_compile_is_refused_before_the_first_step_pointing_at_compile(tmp_path):
+    callback = ActivationPolicyCallback(HF_AUTO)
+    trainer = Trainer(model=dropout_llama(), args=hf_arguments(tmp_path, torch_compile=True,
+                                                               torch_compile_backend="aot_eager"),
+                      train_dataset=Tokens(), callbacks=[callback])
+    with pytest.raises(PolicyApplyError, match=re.escape(
+            "TrainingArguments(torch_compile=True) compiles the model, and a plan profiled in "
+            "eager is not what runs compiled (to plan compiled, set torch_compile=False and write "
+            "`compile: {scope: model}` beside memory_budget: actcfg then profiles and applies the "
+            "plan compiled): plan once")):
+        trainer.train()
+    assert trainer.state.global_step == 0 and callback.applied is None
+
+
+@pytest.mark.slow
+def test_hf_plans_compiled_on_the_first_batch_when_the_policy_says_compile(tmp_path, capsys):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    policy = HF_AUTO + "compile: {scope: blocks, backend: aot_eager}\n"
+    planning = ActivationPolicyCallback(policy)
+    planned = hf_run(tmp_path / "planned", planning)
+    written = tmp_path / "planned" / "actcfg-plan.yaml"
+    assert "compile: {scope: blocks, backend: aot_eager}" in written.read_text()
+    out = capsys.readouterr().out
+    assert re.search(r"^actcfg: planned 3 modules .* compiled \(blocks with aot_eager\); planning "
+                     r"took [\d.]+ s \+ [\d.]+ s compiling\)", out, re.M), out
+    assert len(planned["steps"]) == STEPS and all(map(math.isfinite, planned["losses"]))
+    torch._dynamo.reset()
+
+
 def test_hf_label_smoothing_is_refused_before_the_first_step(tmp_path):
     callback = ActivationPolicyCallback(HF_AUTO)
     trainer = Trainer(model=dropout_llama(), args=hf_arguments(tmp_path, label_smoothing_factor=0.1),
@@ -307,6 +339,33 @@ def test_lightning_plans_on_the_first_batch_and_changes_nothing_the_run_sees(tmp
     assert all(torch.equal(planned["metrics"][k], given["metrics"][k]) for k in planned["metrics"])
     for k, state in planned["optimizer"].items():
         assert all(torch.equal(v, given["optimizer"][k][n]) for n, v in state.items())
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:It is recommended to use `self.log")
+def test_lightning_plans_compiled_on_the_first_batch_when_the_policy_says_compile(tmp_path, caplog):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    caplog.set_level(logging.INFO, logger="lightning.pytorch")
+    planning = ActivationPolicy(PL_AUTO + "compile: {scope: blocks, backend: aot_eager}\n")
+    planned = pl_run(tmp_path / "planned", planning)
+    written = tmp_path / "planned" / "actcfg-plan.yaml"
+    assert "compile: {scope: blocks, backend: aot_eager}" in written.read_text()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("actcfg: planned")]
+    assert len(said) == 1 and "compiled (blocks with aot_eager)" in said[0]
+    assert [s["step"] for s in planned["steps"]] == [1, 2, 3]
+    assert all(torch.isfinite(v).all() for v in planned["metrics"].values())
+    torch._dynamo.reset()
+
+
+def test_lightning_refuses_whole_model_compile_where_the_trainer_is_built():
+    with pytest.raises(PolicyApplyError, match=re.escape(
+            "compile.scope: `model` compiles the forward of the module the policy is applied to, "
+            "and the Lightning callback applies it to the LightningModule, whose forward Lightning "
+            "does not call (it calls training_step): nothing would run compiled; write "
+            "`compile: {scope: blocks}` to compile each candidate module")):
+        ActivationPolicy(PL_AUTO + "compile: {scope: model}\n")
 
 
 def test_lightning_manual_optimization_is_refused_before_the_first_step(tmp_path):

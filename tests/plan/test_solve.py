@@ -231,15 +231,21 @@ def test_the_plan_policy_is_built_directly_and_its_text_loads_back_to_it(seed):
     profile = _random_profile(seed, 5)
     lowest, top = smallest_peak(profile), predict(profile, ("keep",) * 5)[1]
     plan = solve(profile, lowest + (top - lowest) * (seed % 3) // 3)
+    # compile: absent, per block with the default backend, whole with a backend written
+    compile = [None, {"scope": "blocks"}, {"scope": "model", "backend": "aot_eager"}][seed % 3]
     source = Policy.model_validate({"version": 1, "checkpoint": {"mode": "auto", "modules": ["Block"]},
                                     "memory_budget": plan.budget, "pin": seed % 2 == 0,
-                                    "pin_budget": "2GiB", "pin_budget_per_node": "8GiB"})
+                                    "pin_budget": "2GiB", "pin_budget_per_node": "8GiB",
+                                    **({"compile": compile} if compile else {})})
     built = plan_policy(plan, source)
+    assert built.compile == source.compile  # profiled compiled, applied compiled
     loaded = actcfg.load(policy_yaml(built, plan, profile))
     assert loaded == built
     assert loaded.model_dump(exclude_unset=True) == built.model_dump(exclude_unset=True)
     assert [r.model_fields_set for r in loaded.checkpoint.rules] == \
         [r.model_fields_set for r in built.checkpoint.rules]
+    if compile:
+        assert loaded.compile.model_fields_set == built.compile.model_fields_set == set(compile)
     assert built.checkpoint.predicted.peak >= plan.peak
     offloads = any(c in OFFLOADS for c in plan.choices)
     assert (built.pin_budget_per_node == 8 * 2**30) is offloads
@@ -260,6 +266,7 @@ def test_the_report_and_the_cli_json_come_from_the_plan():
         "max_inflight": plan.max_inflight, "kept_at_turn": plan.kept_at_turn,
         "predicted": {"step_time_ms": plan.step_ms, "peak": plan.peak},
         "plain": {"step_time_ms": HAND.plain_step_ms, "peak": HAND.plain_peak},
+        "planning": {"profile_ms": HAND.profile_ms, "compile_ms": HAND.compile_ms, "compiled": None},
         "plan": "version: 1\n"}
     assert report.to_json()["choices"] == plan.to_json()["blocks"]
 

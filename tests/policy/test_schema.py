@@ -228,8 +228,8 @@ def test_schema_is_draft7_with_descriptions_and_no_extra_properties():
     jsonschema.Draft7Validator.check_schema(schema)
     assert schema["additionalProperties"] is False
     models = [d for d in schema["definitions"].values() if "properties" in d]
-    # none, full, selective, external, rules (with Rule and Prediction), auto
-    assert len(models) == 8 and all(d["additionalProperties"] is False for d in models)
+    # none, full, selective, external, rules (with Rule and Prediction), auto, compile
+    assert len(models) == 9 and all(d["additionalProperties"] is False for d in models)
     assert all("description" in p for p in schema["properties"].values())
 
 
@@ -334,6 +334,35 @@ def test_rules_and_auto_are_torch_only(backend, code, checkpoint):
     assert findings[0].hint == "set `backend: torch`"
     if checkpoint is AUTO:
         assert [(f.code, f.path) for f in findings[1:]] == [("torch-only", ("memory_budget",))]
+
+
+@pytest.mark.parametrize("checkpoint", [FULL, {"mode": "none"}, {"mode": "selective", "modules": ["Block"]},
+                                        {"mode": "external"}])
+def test_compile_beside_a_hand_set_mode_is_refused_with_the_fix(checkpoint):
+    [f] = _rule_error({"version": 1, "checkpoint": checkpoint, "compile": {"scope": "blocks"}})
+    assert f == Finding(
+        "compile-without-plan", "error", ("compile",),
+        f"`compile` says the plan is profiled and applied under torch.compile, but checkpoint.mode "
+        f"is {checkpoint['mode']}: there is no plan to profile",
+        "remove `compile` (and compile the model yourself), or write `checkpoint: {mode: auto, "
+        "modules: [...]}` with `memory_budget` to plan under compile")
+
+
+def test_compile_spells_both_scopes_defaults_to_inductor_and_is_torch_only():
+    auto = {"version": 1, "checkpoint": AUTO, "memory_budget": 1}
+    policy = Policy.model_validate({**auto, "compile": {"scope": "model"}})
+    assert (policy.compile.scope, policy.compile.backend) == ("model", "inductor")
+    assert Policy.model_validate({"version": 1, "checkpoint": RULES,
+                                  "compile": {"scope": "blocks", "backend": "aot_eager"}}).compile.backend == "aot_eager"
+    assert Policy.model_validate(auto).compile is None
+    for bad in ({"scope": "layers"}, {"scope": True}, {"scope": "blocks", "backend": ""},
+                {"scope": "blocks", "fullgraph": True}, True):
+        with pytest.raises(ValidationError):
+            Policy.model_validate({**auto, "compile": bad})
+    findings = _rule_error({**auto, "backend": "deepspeed", "compile": {"scope": "blocks"}})
+    assert [(f.code, f.path) for f in findings] == [
+        ("torch-only", ("checkpoint", "mode")), ("torch-only", ("memory_budget",)),
+        ("torch-only", ("compile", "scope"))]
 
 
 def test_rules_and_auto_are_refused_for_hf_and_lightning_translation():

@@ -326,3 +326,17 @@ def test_offload_plan_binds_the_engine() -> None:
     plan = PLANS["torch-offload-all"].offload
     bound = inspect.signature(OffloadEngine).bind(pin=plan.pin, pin_budget=plan.pin_budget)
     assert bound.arguments == {"pin": False, "pin_budget": None}
+
+
+def test_compile_is_in_the_plan_translate_prints_and_absent_without_it():
+    """`compile:` travels in the WrapPlan (what apply's compile step reads), printed only where
+    the policy compiles, so the goldens of every other policy stay as they were."""
+    rules = {"mode": "rules", "rules": [{"modules": ["Block"]}]}
+    plan = to_torch_native(Policy.model_validate(
+        {"version": 1, "checkpoint": rules, "compile": {"scope": "model", "backend": "aot_eager"}}))
+    assert plan.to_json()["compile"] == {"api": "torch.compile", "scope": "model", "backend": "aot_eager"}
+    auto = to_torch_native(Policy.model_validate(
+        {"version": 1, "checkpoint": {"mode": "auto", "modules": ["Block"]}, "memory_budget": 1,
+         "compile": {"scope": "blocks"}}))
+    assert auto.to_json()["compile"] == {"api": "torch.compile", "scope": "blocks", "backend": "inductor"}
+    assert "compile" not in to_torch_native(Policy.model_validate({"version": 1, "checkpoint": rules})).to_json()

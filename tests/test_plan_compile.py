@@ -1,0 +1,174 @@
+"""`compile:` beside `memory_budget`: a plan profiled under torch.compile, per block or whole, and
+applied compiled the same way (actcfg.runtime.compiling).
+
+On the CPU with torch.compile's `aot_eager` backend: it traces autograd and partitions the
+saved tensors as inductor's pipeline does, without a C compiler. The compiled graphs save other
+tensors than eager mode (the checkpointed blocks here keep 7 KiB each compiled, 2 KiB eager), so
+byte counts tell a compiled profile from an eager one. CUDA (inductor) at the end.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import actcfg  # noqa: E402
+from actcfg.errors import PolicyApplyError  # noqa: E402
+from actcfg.plan import plan_model  # noqa: E402
+from actcfg.plan.saved import saved_bytes  # noqa: E402
+from actcfg.policy.checker import load  # noqa: E402
+from actcfg.api import _apply_trial  # noqa: E402
+from _helpers import assert_grads_close, assert_grads_within, grads_of, small_blocks, train_step  # noqa: E402
+
+BLOCKS = ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
+
+
+def policy(scope: str, budget: str = "80KiB", backend: str = "aot_eager") -> dict:
+    return {"version": 1, "checkpoint": {"mode": "auto", "modules": ["Block"]},
+            "memory_budget": budget, "compile": {"scope": scope, "backend": backend}}
+
+
+def rules(mode: str, scope: str | None) -> dict:
+    cfg = {"version": 1, "checkpoint": {"mode": "rules", "rules": [{"modules": ["Block"], "mode": mode}]}}
+    if scope is not None:
+        cfg["compile"] = {"scope": scope, "backend": "aot_eager"}
+    return cfg
+
+
+def counted(model, x, cfg) -> list[int]:
+    """What each block saves, counted with the profile's own hooks, under the policy `cfg`."""
+    blocks = [model.get_submodule(n) for n in BLOCKS]
+    with actcfg.apply(model, cfg):
+        return saved_bytes(model, blocks, (x,), {})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scope", ["blocks", "model"])
+def test_a_compiled_plan_is_profiled_compiled_fits_and_trains_like_plain(scope):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    plain, x = small_blocks(4)
+    want = train_step(plain, x)
+    model, _ = small_blocks(4)
+    budget = 80 * 2**10
+    counters.clear()
+    planned = plan_model(model, load(policy(scope)), x, apply=_apply_trial)
+    assert counters["stats"]["unique_graphs"] >= 1  # the trials really compiled
+    prof = planned.profile
+    assert prof.compiled == f"{scope} with aot_eager"
+    assert prof.compile_ms > 0 and prof.profile_ms > 0  # compile time reported apart
+    report = planned.report
+    assert (report.compiled, report.compile_ms, report.profile_ms) == \
+        (prof.compiled, prof.compile_ms, prof.profile_ms)
+    assert f"compiled ({scope} with aot_eager)" in report.summary()
+    # The profile's counts are the compiled graphs' saved tensors, not eager mode's.
+    compiled_full = counted(model, x, rules("full", scope))
+    eager_full = counted(model, x, rules("full", None))
+    assert compiled_full != eager_full
+    assert [b.options["full"].held for b in prof.blocks] == compiled_full
+    # The plan fits on the CPU estimate path, and checkpoints something (plain is 122.5 KiB).
+    assert report.predicted_peak <= budget < prof.plain_peak
+    assert any(c != "keep" for _, c in report.choices)
+    # The plan file says compile; applying it compiles what was profiled.
+    assert planned.policy.compile == load(policy(scope)).compile
+    assert f"compile: {{scope: {scope}, backend: aot_eager}}" in report.policy_yaml
+    assert load(report.policy_yaml) == planned.policy
+    handle = actcfg.apply(model, report.policy_yaml)
+    try:
+        assert handle.compiled.to_json() == {
+            "scope": scope, "backend": "aot_eager",
+            "modules": list(BLOCKS) if scope == "blocks" else [""]}
+        assert "torch.compile of" in handle.summary()
+        for _ in range(2):
+            got = train_step(model, x)
+        assert_grads_close(got, want, 1e-5)
+    finally:
+        handle.remove()
+    # remove() takes the compiled forwards off: the model is eager again.
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert_grads_close(train_step(model, x), want, 1e-5)
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_apply_plans_compiled_in_one_call_and_logs_the_compile_time():
+    torch._dynamo.reset()
+    plain, x = small_blocks(4)
+    want = train_step(plain, x)
+    model, _ = small_blocks(4)
+    with actcfg.apply(model, policy("blocks"), inputs=x) as handle:
+        assert handle.plan.compiled == "blocks with aot_eager" and handle.plan.compile_ms > 0
+        assert handle.compiled.modules == BLOCKS
+        assert_grads_close(train_step(model, x), want, 1e-5)
+        assert handle.report()["compile"]["backend"] == "aot_eager"
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_a_profile_in_which_dynamo_compiled_nothing_is_refused_not_planned(monkeypatch):
+    """dynamo runs a frame eagerly when it gives up (a recompile limit, a skipped frame, or
+    here, switched off): the plan would then be an eager plan labelled compiled."""
+    from actcfg.errors import PlanError
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+    model, x = small_blocks(2)
+    with pytest.raises(PlanError, match=r"^compile: \{scope: blocks, backend: aot_eager\} asks for a "
+                                        r"profile under torch\.compile, and torch\.compile built no graph"):
+        plan_model(model, load(policy("blocks")), x, apply=_apply_trial)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_an_unknown_compile_backend_is_refused_naming_the_field():
+    model, _ = small_blocks(2)
+    cfg = {"version": 1, "checkpoint": {"mode": "rules", "rules": [{"modules": ["Block"], "mode": "full"}]},
+           "compile": {"scope": "blocks", "backend": "no_such_backend"}}
+    with pytest.raises(PolicyApplyError, match=r"^compile\.backend: torch\.compile refused backend "
+                                               r"'no_such_backend': "):
+        actcfg.apply(model, cfg)
+    # nothing stays applied: the model carries no policy and applies again
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    actcfg.apply(model, rules("full", None)).remove()
+
+
+# --- CUDA: inductor, measured memory (the lead runs these on the H200) -----------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("scope", ["blocks", "model"])
+def test_on_the_gpu_a_compiled_plan_fits_its_budget_with_plain_gradients(scope):
+    from actcfg.plan.profile import measure_steps
+    from actcfg.probes import blocks
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = blocks(n=8, d_model=1024, heads=8, ffn=4096, batch=4, seq=1024)
+    reference = blocks(n=8, d_model=1024, heads=8, ffn=4096, batch=4, seq=1024)[0]
+    reference.load_state_dict(model.state_dict())
+    loss = lambda out: out.float().square().sum()  # noqa: E731
+    reference.zero_grad(set_to_none=True)
+    loss(torch.compile(reference)(x)).backward()
+    want = grads_of(reference, as_float=True)
+    del reference
+    spec = {"version": 1, "checkpoint": {"mode": "auto", "modules": ["Block"]},
+            "compile": {"scope": scope}}
+    # The budget halfway between every block checkpointed and plain, both compiled.
+    with actcfg.apply(model, {**rules("full", None), "compile": {"scope": scope}}):
+        _, full_peak = measure_steps(model, x, loss_fn=loss)
+    with actcfg.apply(model, {**rules("none", None), "compile": {"scope": scope}}):
+        _, plain_peak = measure_steps(model, x, loss_fn=loss)
+    assert full_peak < plain_peak
+    budget = (full_peak + plain_peak) // 2
+    with actcfg.apply(model, {**spec, "memory_budget": budget}, inputs=x, loss_fn=loss) as handle:
+        assert handle.plan.compiled == f"{scope} with inductor" and handle.plan.compile_ms > 0
+        assert handle.plan.predicted_peak <= budget
+        _, peak = measure_steps(model, x, loss_fn=loss)
+        assert peak <= budget, (peak, budget, handle.plan.summary())
+        model.zero_grad(set_to_none=True)
+        loss(model(x)).backward()
+        got = grads_of(model, as_float=True)
+    assert_grads_within(got, want, 2e-2)  # bf16: compiled with and without checkpointing round alike
+    torch._dynamo.reset()
