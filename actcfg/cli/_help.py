@@ -1,5 +1,5 @@
 """`--help`'s examples and exit codes, the program's and each command's: one table, so the
-examples can be run as a set (tests/test_cli_help.py) and read without importing a command."""
+examples can be run as a set (tests/cli/test_cli_help.py) and read without importing a command."""
 
 from __future__ import annotations
 
