@@ -91,10 +91,13 @@ def test_a_forward_without_backward_gives_its_device_bytes_back_when_the_graph_d
 
 def test_while_copies_run_forward_holds_the_group_just_finished_and_max_inflight_in_flight():
     """Copies never finish by themselves here (a GPU copy still running), each group saves 4
-    storages. Read at each boundary, before the next group's copy is launched: the device holds
-    the group just finished and `max_inflight` groups in flight, every step the same; the
-    engine's forward high-water mark (at the turn: the last group, which stays, and the copies
-    in flight) says the same."""
+    storages. Read at each boundary, before the next group's copy is launched. In the first step
+    (the engine does not yet know which groups stay for backward) whole groups leave at their
+    boundary: the device holds the group just finished and `max_inflight` groups in flight. From
+    the second step on, each storage leaves as soon as the next one is saved, within
+    `max_inflight` groups' bytes in flight: the device holds those and the newest storage, no
+    more (one storage less than a group more). The engine's forward high-water mark (at the
+    turn: the last group, which stays, and the copies in flight) says the same."""
     for max_inflight in (1, 2):
         with host_loopback():
             engine = OffloadEngine(pin=False, min_offload_bytes=0, keep_last=1,
@@ -106,8 +109,9 @@ def test_while_copies_run_forward_holds_the_group_just_finished_and_max_inflight
 
             engine._copies.d2h.record_event = Pending  # type: ignore[method-assign]
             x = torch.randn(256, requires_grad=True)
-            group = 4 * 256 * 4
-            for _ in range(2):
+            storage = 256 * 4
+            group = 4 * storage
+            for first in (True, False):
                 at_boundaries = []
                 with engine.step():
                     h = x
@@ -117,7 +121,9 @@ def test_while_copies_run_forward_holds_the_group_just_finished_and_max_inflight
                         for _ in range(4):
                             h = (h * 1.0).exp()  # exp saves its output: one storage each
                     out = h.sum()
-                assert max(at_boundaries) == (1 + max_inflight) * group
+                most = (1 + max_inflight) * group if first else max_inflight * group + storage
+                assert max(at_boundaries) == most
+                # at the turn: the last group, which stays, and max_inflight groups' bytes in flight
                 assert engine.stats.most_forward_device_bytes == (1 + max_inflight) * group
                 out.backward()
                 assert engine.stats.device_bytes == 0

@@ -155,14 +155,15 @@ class _Kept:
     """A saved tensor that stays where it is, checked for in-place changes on unpack; its group
     (None outside a step) tells backward which reload to start when it is unpacked."""
 
-    __slots__ = ("tensor", "version", "group")
+    __slots__ = ("tensor", "version", "group", "seq")
 
-    def __init__(self, tensor: torch.Tensor, group: _Group | None = None) -> None:
+    def __init__(self, tensor: torch.Tensor, group: _Group | None = None, seq: int = 0) -> None:
         # detach(): holding the tensor with its grad_fn would make a reference cycle through
         # the graph that saved it. It shares the version counter, so changes still show.
         self.tensor = tensor.detach()
         self.version = _version(tensor)
         self.group = group
+        self.seq = seq  # storages offloaded in this step before it was saved
 
 
 class _Step:
@@ -172,6 +173,12 @@ class _Step:
         self.groups: list[weakref.ref[_Group]] = []
         self.gaps: list[bool] = []  # whether each group is a gap, known after it dies too
         self.open_groups: list[_Group] = []  # strong while the forward runs (empty ones count)
+        # Every storage of the step, in the order it was saved (weakly): backward reloads them
+        # from the newest down, as far as `window` allows, from `cursor` (the next to consider).
+        self.chunks: list[weakref.ref[_Chunk]] = []
+        self.cursor = -1
+        self.window = 0  # bytes reloaded ahead of use that backward may hold at once
+        self.ahead = 0  # bytes reloaded and not yet used (none of their views unpacked)
 
 
 class _Group:
@@ -187,8 +194,9 @@ class _Group:
         self.offloaded = False  # copies to the host were launched and not kept at the turn
         self.kept = False  # stayed on the device at the forward/backward turn
         self.kept_bytes = 0  # bytes saved in it that stay on the device
-        self.d2h_done: Any = None
-        self.h2d_done: Any = None
+        # Its storages leave one by one as they are saved (from the second step on, where the
+        # engine knows which groups stay for backward), not all at once when it closes.
+        self.eager = False
 
     def live(self) -> list[_Chunk]:
         return [c for ref in self.chunks if (c := ref()) is not None]
@@ -209,13 +217,18 @@ class _Chunk:
     (Layout matters: a backward kernel may be built for the strides it saw in forward.)"""
 
     __slots__ = (
-        "__weakref__", "group", "device", "nbytes", "gpu", "host", "buffer", "pinned", "reloaded",
-        "pool", "stats", "last_reader", "views",
+        "__weakref__", "group", "seq", "device", "nbytes", "gpu", "host", "buffer", "pinned",
+        "reloaded", "pool", "stats", "last_reader", "views", "h2d_done", "used",
     )
 
     def __init__(self, tensor: torch.Tensor, group: _Group, pool: HostPool, stats: OffloadStats) -> None:
         storage = tensor.untyped_storage()
         self.group = group
+        step = group.step
+        self.seq = len(step.chunks)
+        step.chunks.append(weakref.ref(self))
+        self.h2d_done: Any = None
+        self.used = False  # a view of the reload was unpacked
         self.device = tensor.device
         self.nbytes = storage.nbytes()
         # uint8 over the whole storage: holds it alive until the host copy is safe
@@ -244,6 +257,13 @@ class _Chunk:
         """Backward's copy of the storage, held until the last view of it is done."""
         self.reloaded = gpu
         self.stats.hold(self.nbytes)
+        self.group.step.ahead += self.nbytes
+
+    def use(self) -> None:
+        """A view of the reload was unpacked: it no longer counts as reloaded ahead of use."""
+        if not self.used:
+            self.used = True
+            self.group.step.ahead -= self.nbytes
 
     def __del__(self) -> None:
         # Every saved view of this storage is gone: its device memory (if still held) goes back,
@@ -251,6 +271,8 @@ class _Chunk:
         # it has finished.
         if getattr(self, "gpu", None) is not None or getattr(self, "reloaded", None) is not None:
             self.stats.release(self.nbytes)
+        if getattr(self, "reloaded", None) is not None:
+            self.use()  # reloaded but never used (backward stopped early)
         if getattr(self, "buffer", None) is not None:
             try:
                 self.pool.release(self.buffer, self.last_reader, self.pinned)
@@ -283,6 +305,19 @@ class _Saved:
     def check_version(self) -> None:
         if self.view is not None and self.view._version != self.version:
             self.modified = True
+
+
+class _Copy:
+    """Copies to the host launched together (a whole group, or one storage of an eager group),
+    done when `done` is; until then their device memory is held."""
+
+    __slots__ = ("group", "chunks", "done", "nbytes")
+
+    def __init__(self, group: _Group, chunks: list[_Chunk], done: Any) -> None:
+        self.group = group
+        self.chunks = chunks
+        self.done = done
+        self.nbytes = sum(c.nbytes for c in chunks)
 
 
 def stays(tensor: torch.Tensor, device: torch.device, buffers: set[int],
@@ -378,7 +413,10 @@ class OffloadEngine:
         self._step: _Step | None = None
         self._owner: int | None = None
         self._open: _Group | None = None
-        self._inflight: deque[_Group] = deque()
+        self._inflight: deque[_Copy] = deque()
+        self._inflight_bytes = 0
+        self._forward_window = 0  # bytes in flight to the host at once, from the step before
+        self._pending: _Chunk | None = None  # an eager group's newest storage, not yet sent
         self._chunks: dict[int, _Chunk] = {}
         self._closed = False
         self._warned_no_effect = False
@@ -453,7 +491,7 @@ class OffloadEngine:
     def _open_group(self, offload: bool, gap: bool) -> int:
         # Copies already done give their device memory back now, not at the next launch: an
         # offloaded block followed by kept ones must not stay resident until the turn.
-        self._retire(keep=self.max_inflight)
+        self._retire()
         group, self._open = self._open, self._new_group(offload, gap)
         if group is not None:
             self._close(group)
@@ -462,6 +500,10 @@ class OffloadEngine:
     def _close(self, group: _Group) -> None:
         if not (group.offload and group.live()):
             return
+        if group.eager:
+            # Its storages left as they were saved; the newest one leaves now.
+            self._send_pending()
+            return
         expected = self._offload_groups_last_step
         if expected is not None and group.rank >= expected - self.keep_last:
             group.kept = True  # among the last keep_last: it stays for backward, which needs it first
@@ -469,7 +511,7 @@ class OffloadEngine:
         # Room for the group about to leave: at most `max_inflight` copies run at once, which
         # bounds the device memory held above flat to that many groups.
         self._retire(keep=self.max_inflight - 1)
-        self._launch_offload(group)
+        self._launch(group, [c for c in group.live() if c.gpu is not None and c.host is None])
 
     def _begin_step(self, inputs: Any = None) -> None:
         # Whatever an earlier step left in flight (a forward that raised, say) is settled first.
@@ -486,6 +528,7 @@ class OffloadEngine:
         self._step = _Step()
         self._owner = threading.get_ident()
         self._offload_groups = 0
+        self._pending = None
         self._open = self._new_group(True, gap=False)
         self._chunks = {}
 
@@ -493,19 +536,20 @@ class OffloadEngine:
         # The copies still in flight are waited for (on the compute stream) and their memory
         # released, so backward starts from the groups that stay: the one still open and, of
         # those marked for offload, the last keep_last (in the first step, the ones in flight).
+        self._pending = None  # a storage of the group still open: it stays, as that group does
         turn = self._offload_groups - self.keep_last
-        stay = [g for g in self._inflight if g.rank >= turn]
+        stay = [c for c in self._inflight if not c.group.eager and c.group.rank >= turn]
         compute = self._copies.compute()
-        for group in stay:
+        for copy in stay:
             # Its device memory stays in use (backward reads it there). The compute stream waits
             # for the copy still reading it, so that memory is freed in order when backward is
             # done with it. (record_stream instead let the allocator free it whenever it next
             # looked: on an H200 the memory allocated after a step then differed from step to
             # step by 1.25 GB on the 200-step test.)
-            if group.d2h_done is not None:
-                compute.wait_event(group.d2h_done)
-            group.offloaded, group.kept = False, True
-        self._inflight = deque(g for g in self._inflight if g not in stay)
+            compute.wait_event(copy.done)
+            copy.group.offloaded, copy.group.kept = False, True
+            self._inflight_bytes -= copy.nbytes
+        self._inflight = deque(c for c in self._inflight if c not in stay)
         self._retire(keep=0)
         open_group = self._open
         if open_group is not None:
@@ -513,8 +557,13 @@ class OffloadEngine:
         groups = [g() for g in self._step.groups] if self._step is not None else []
         self._stats.end_step(None if g is None else g.summary() for g in groups)
         self._offload_groups_last_step = self._offload_groups
+        # The schedule of the next step and of this backward, in bytes: the largest group moved.
+        largest = max(self._stats.group_offloaded_bytes or [0])
+        self._forward_window = self.max_inflight * largest
         if self._step is not None:
             self._step.open_groups = []  # from here each group lives as long as its tensors
+            self._step.window = self.prefetch * largest
+            self._step.cursor = len(self._step.chunks) - 1
         self._step = self._open = None
         self._owner = None
         self._chunks = {}
@@ -535,6 +584,12 @@ class OffloadEngine:
         group = _Group(self._step, len(self._step.groups), offload, gap, self._offload_groups)
         if offload:
             self._offload_groups += 1
+        # A group leaves storage by storage when the step before says it does not stay for
+        # backward (not among the last keep_last, nor the last, open at the end) and how many bytes
+        # may be in flight at once (the largest group moved, times max_inflight).
+        expected = self._offload_groups_last_step
+        group.eager = (offload and not gap and expected is not None and self._forward_window > 0
+                       and group.rank < expected - max(self.keep_last, 1))
         # Strongly held by the step while it runs (an empty group must still count), weakly after.
         self._step.groups.append(weakref.ref(group))
         self._step.gaps.append(gap)
@@ -550,21 +605,22 @@ class OffloadEngine:
         if self._step is None or group is None:
             return _Kept(tensor)
         if self._inflight:
-            # A group whose copy has finished gives its device memory back now, in the middle of
+            # A copy that has finished gives its device memory back now, in the middle of
             # the next block's forward, not at the next boundary.
-            self._retire(keep=self.max_inflight)
+            self._retire()
+        seq = len(self._step.chunks)
         if not group.offload:  # kept by the policy's choice (a rule, or a gap between groups)
             group.kept_bytes += nbytes
             st.kept_by_rule(nbytes)
-            return _Kept(tensor, group)
+            return _Kept(tensor, group, seq)
         if nbytes < self.min_offload_bytes:
             group.kept_bytes += nbytes
-            return _Kept(tensor, group)
+            return _Kept(tensor, group, seq)
         reason = stays(tensor, self.device, self._buffers, self._inputs)
         if reason is not None:
             st.kept_for(reason, nbytes)
             group.kept_bytes += nbytes
-            return _Kept(tensor, group)
+            return _Kept(tensor, group, seq)
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
         chunk = self._chunks.get(ptr)
@@ -574,19 +630,33 @@ class OffloadEngine:
                 # data, and a copy of the view alone would change its layout. It stays.
                 st.kept_for("view", nbytes)
                 group.kept_bytes += nbytes
-                return _Kept(tensor, group)
+                return _Kept(tensor, group, seq)
+            if group.eager:
+                # A new storage: the one saved before it is complete (the views one op saves of
+                # a storage, q, k and v say, come one after another), so it leaves now.
+                self._send_pending()
             chunk = _Chunk(tensor, group, self._pool, st)
             group.chunks.append(weakref.ref(chunk))
             self._chunks[ptr] = chunk
+            if group.eager:
+                self._pending = chunk
         saved = _Saved(tensor, chunk)
         chunk.views.append(weakref.ref(saved))
         return saved
 
-    def _launch_offload(self, group: _Group) -> None:
+    def _send_pending(self) -> None:
+        """Launch the copy of the newest storage of an eager group, once the copies in flight
+        leave room for it within the forward window (the compute stream waits for the oldest)."""
+        chunk, self._pending = self._pending, None
+        if chunk is None or chunk.gpu is None or chunk.host is not None:
+            return
+        self._retire(room=chunk.nbytes)
+        self._launch(chunk.group, [chunk])
+
+    def _launch(self, group: _Group, chunks: list[_Chunk]) -> None:
         copies = self._copies
-        copies.d2h.wait_stream(copies.compute())  # the producers of this group's tensors come first
+        copies.d2h.wait_stream(copies.compute())  # the producers of these tensors come first
         st = self._stats
-        chunks = [c for c in group.live() if c.gpu is not None]
         with copies.on(copies.d2h):
             for chunk in chunks:
                 for ref in chunk.views:
@@ -599,27 +669,33 @@ class OffloadEngine:
                 host.copy_(chunk.gpu, non_blocking=pinned)
                 chunk.host, chunk.buffer, chunk.pinned = host, buffer, pinned
                 st.copied_out(chunk.nbytes)
-            group.d2h_done = copies.d2h.record_event()
+            done = copies.d2h.record_event()
         for chunk in chunks:
-            chunk.last_reader = group.d2h_done
+            chunk.last_reader = done
         group.offloaded = True
-        self._inflight.append(group)
+        copy = _Copy(group, chunks, done)
+        self._inflight.append(copy)
+        self._inflight_bytes += copy.nbytes
         st.in_flight(len(self._inflight))
 
-    def _retire(self, *, keep: int) -> None:
-        """Drop the device copies of groups whose host copy is done, then wait (on the compute
-        stream, not the host) for the oldest copies until at most `keep` groups are in flight."""
+    def _retire(self, *, keep: int | None = None, room: int | None = None) -> None:
+        """Drop the device copies of storages whose host copy is done; then wait (on the compute
+        stream, not the host) for the oldest copies until at most `keep` copies are in flight,
+        or until `room` more bytes fit in the forward window."""
         compute = self._copies.compute()
         while self._inflight:
-            group = self._inflight[0]
-            if not group.d2h_done.query():
-                if len(self._inflight) <= keep:
+            copy = self._inflight[0]
+            if not copy.done.query():
+                over = ((keep is not None and len(self._inflight) > keep)
+                        or (room is not None and self._inflight_bytes + room > self._forward_window))
+                if not over:
                     break
                 # Later compute-stream work may reuse this memory only after the copy has read it.
-                compute.wait_event(group.d2h_done)
+                compute.wait_event(copy.done)
                 self._stats.copy_waits += 1
             self._inflight.popleft()
-            for chunk in group.live():
+            self._inflight_bytes -= copy.nbytes
+            for chunk in copy.chunks:
                 if chunk.host is not None:
                     chunk.release_gpu()
 
@@ -629,47 +705,65 @@ class OffloadEngine:
     def _unpack(self, packed: _Saved | _Kept) -> torch.Tensor:
         if isinstance(packed, _Kept):
             if packed.group is not None:
-                self._prefetch_below(packed.group)
+                self._prefetch(packed.group, packed.seq)
             if packed.version is not None and packed.tensor._version != packed.version:
                 raise _modified_error(packed.tensor.size(), packed.tensor.dtype)
             return packed.tensor
         saved = packed
         chunk = saved.chunk
-        self._prefetch_below(chunk.group)
+        if chunk.reloaded is not None:
+            chunk.use()
+        self._prefetch(chunk.group, chunk.seq)
         saved.check_version()
         if saved.modified:
             raise _modified_error(saved.size, saved.dtype)
-        if saved.view is not None:  # the last group: it never left the device
+        if saved.view is not None:  # it never left the device
             return saved.view
         if chunk.reloaded is None:
-            if chunk.group.h2d_done is None:
-                self._stats.late_reloads += 1
-            self._reload(chunk.group, only=chunk)
-        self._copies.compute().wait_event(chunk.group.h2d_done)
+            self._stats.late_reloads += 1
+            self._reload([chunk])
+            chunk.use()
+        self._copies.compute().wait_event(chunk.h2d_done)
         return saved.on(chunk.reloaded)
 
-    def _prefetch_below(self, group: _Group) -> None:
-        """Start the reloads of the `prefetch` groups just below `group`, where offloaded; the
-        gaps between groups are passed over, not counted, so a reload starts one block ahead
-        (never earlier, which would hold its memory through the blocks between)."""
-        groups, gaps = group.step.groups, group.step.gaps
-        wanted = self.prefetch
+    def _prefetch(self, group: _Group, seq: int) -> None:
+        """Start the reloads of the storages saved before position `seq`, newest first (the
+        order backward needs them in), while the bytes reloaded ahead of use stay within the
+        step's window (`prefetch` times the largest group). Only storages of the `prefetch`
+        groups just below `group` qualify; the gaps `end_group` opens between groups are
+        passed over, not counted, so a reload starts at most one block ahead (never earlier,
+        which would hold its memory through the blocks between)."""
+        step = group.step
+        if self.prefetch <= 0:
+            return
+        lowest, wanted = group.index, self.prefetch
         for i in range(group.index - 1, -1, -1):
             if wanted <= 0:
-                return
-            if gaps[i]:
+                break
+            if not step.gaps[i]:
+                wanted -= 1
+            lowest = i
+        cursor = min(step.cursor, seq - 1)
+        ahead = step.ahead
+        targets = []
+        while cursor >= 0:
+            chunk = step.chunks[cursor]()
+            if chunk is None or chunk.host is None or chunk.gpu is not None or chunk.reloaded is not None:
+                cursor -= 1  # gone, never moved, or already back
                 continue
-            wanted -= 1
-            below = groups[i]()
-            if below is not None and below.offloaded and below.h2d_done is None:
-                self._reload(below)
+            if chunk.group.index < lowest or (ahead and ahead + chunk.nbytes > step.window):
+                break
+            targets.append(chunk)
+            ahead += chunk.nbytes
+            cursor -= 1
+        step.cursor = cursor
+        if targets:
+            self._reload(targets)
 
-    def _reload(self, group: _Group, only: _Chunk | None = None) -> None:
-        """Copy a group's chunks (or one chunk) back to the device on the reload stream."""
+    def _reload(self, targets: list[_Chunk]) -> None:
+        """Copy storages back to the device on the reload stream."""
         copies = self._copies
         compute = copies.compute()
-        targets = [only] if only is not None else group.live()
-        targets = [c for c in targets if c.gpu is None and c.host is not None and c.reloaded is None]
         try:
             # Allocated on the compute stream, which frees them: the reload stream waits for
             # everything queued there so far, so the memory is no longer in use.
@@ -684,10 +778,9 @@ class OffloadEngine:
             )
             raise
         copies.h2d.wait_stream(compute)
-        if group.d2h_done is not None:
-            copies.h2d.wait_event(group.d2h_done)
-        if group.h2d_done is not None:
-            copies.h2d.wait_event(group.h2d_done)  # one event keeps covering the whole group
+        for chunk in targets:
+            if chunk.last_reader is not None:
+                copies.h2d.wait_event(chunk.last_reader)  # its copy to the host
         with copies.on(copies.h2d):
             for chunk, gpu in zip(targets, destinations):
                 gpu.copy_(chunk.host, non_blocking=chunk.pinned)
@@ -701,7 +794,7 @@ class OffloadEngine:
             done = copies.h2d.record_event()
         for chunk in targets:
             chunk.last_reader = done
-        group.h2d_done = done
+            chunk.h2d_done = done
 
     # --- lifetime -----------------------------------------------------------------------------
 
