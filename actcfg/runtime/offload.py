@@ -417,6 +417,7 @@ class OffloadEngine:
         self._inflight_bytes = 0
         self._forward_window = 0  # bytes in flight to the host at once, from the step before
         self._pending: _Chunk | None = None  # an eager group's newest storage, not yet sent
+        self._largest_sent = 0  # the largest storage copied to the host in this step
         self._chunks: dict[int, _Chunk] = {}
         self._closed = False
         self._warned_no_effect = False
@@ -529,6 +530,7 @@ class OffloadEngine:
         self._owner = threading.get_ident()
         self._offload_groups = 0
         self._pending = None
+        self._largest_sent = 0
         self._open = self._new_group(True, gap=False)
         self._chunks = {}
 
@@ -557,8 +559,11 @@ class OffloadEngine:
         groups = [g() for g in self._step.groups] if self._step is not None else []
         self._stats.end_step(None if g is None else g.summary() for g in groups)
         self._offload_groups_last_step = self._offload_groups
-        # The schedule of the next step and of this backward, in bytes: the largest group moved.
-        largest = max(self._stats.group_offloaded_bytes or [0])
+        # The schedule of the next step and of this backward, in bytes: the largest storage
+        # moved (one storage in flight keeps the copy stream busy wherever copies are the
+        # bottleneck; a whole group in flight held a second block's activations at the turn).
+        largest = (self._largest_sent if _WINDOW_UNIT == "storage"
+                   else max(self._stats.group_offloaded_bytes or [0]))
         self._forward_window = self.max_inflight * largest
         if self._step is not None:
             self._step.open_groups = []  # from here each group lives as long as its tensors
@@ -669,6 +674,7 @@ class OffloadEngine:
                 host.copy_(chunk.gpu, non_blocking=pinned)
                 chunk.host, chunk.buffer, chunk.pinned = host, buffer, pinned
                 st.copied_out(chunk.nbytes)
+                self._largest_sent = max(self._largest_sent, chunk.nbytes)
             done = copies.d2h.record_event()
         for chunk in chunks:
             chunk.last_reader = done
@@ -830,6 +836,10 @@ class _StepScope:
         self.hooks.__exit__(kind, value, tb)
         self.engine._end_step(judge=kind is None)
 
+
+# What the copy windows are counted in: "storage" (the largest storage moved in a step) or
+# "group" (the largest group).
+_WINDOW_UNIT = "storage"
 
 # A view is moved with its whole storage (q, k and v of one qkv projection travel as one
 # storage) unless the storage is more than this many times larger than the view.
