@@ -138,10 +138,6 @@ class _Copies:
     def on(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
 
-    def record(self, tensor: torch.Tensor, stream: Any) -> None:
-        if self.cuda:
-            tensor.record_stream(stream)
-
 
 # --- what autograd keeps ------------------------------------------------------------------------
 
@@ -218,7 +214,7 @@ class _Chunk:
 
     __slots__ = (
         "__weakref__", "group", "seq", "device", "nbytes", "gpu", "host", "buffer", "pinned",
-        "reloaded", "pool", "stats", "last_reader", "views", "h2d_done", "used",
+        "reloaded", "pool", "stats", "last_reader", "views", "h2d_done", "used", "freed_on",
     )
 
     def __init__(self, tensor: torch.Tensor, group: _Group, pool: HostPool, stats: OffloadStats) -> None:
@@ -229,6 +225,7 @@ class _Chunk:
         step.chunks.append(weakref.ref(self))
         self.h2d_done: Any = None
         self.used = False  # a view of the reload was unpacked
+        self.freed_on: Any = None  # the stream that allocated the reload, and frees it
         self.device = tensor.device
         self.nbytes = storage.nbytes()
         # uint8 over the whole storage: holds it alive until the host copy is safe
@@ -271,8 +268,14 @@ class _Chunk:
         # it has finished.
         if getattr(self, "gpu", None) is not None or getattr(self, "reloaded", None) is not None:
             self.stats.release(self.nbytes)
-        if getattr(self, "reloaded", None) is not None:
-            self.use()  # reloaded but never used (backward stopped early)
+        if getattr(self, "reloaded", None) is not None and not self.used:
+            # Reloaded but never used (backward stopped early): the memory goes back to the
+            # stream that allocated it, which must not reuse it before the copy is done.
+            try:
+                self.freed_on.wait_event(self.h2d_done)
+            except Exception:  # interpreter shutdown: CUDA may be gone already
+                pass
+            self.use()
         if getattr(self, "buffer", None) is not None:
             try:
                 self.pool.release(self.buffer, self.last_reader, self.pinned)
@@ -562,8 +565,8 @@ class OffloadEngine:
         # The schedule of the next step and of this backward, in bytes: the largest storage
         # moved (one storage in flight keeps the copy stream busy wherever copies are the
         # bottleneck; a whole group in flight held a second block's activations at the turn).
-        largest = (self._largest_sent if _WINDOW_UNIT == "storage"
-                   else max(self._stats.group_offloaded_bytes or [0]))
+        largest = _WINDOW_SCALE * (self._largest_sent if _WINDOW_UNIT == "storage"
+                                   else max(self._stats.group_offloaded_bytes or [0]))
         self._forward_window = self.max_inflight * largest
         if self._step is not None:
             self._step.open_groups = []  # from here each group lives as long as its tensors
@@ -729,7 +732,10 @@ class OffloadEngine:
             self._stats.late_reloads += 1
             self._reload([chunk])
             chunk.use()
-        self._copies.compute().wait_event(chunk.h2d_done)
+        compute = self._copies.compute()
+        compute.wait_event(chunk.h2d_done)
+        if chunk.freed_on is not compute and chunk.freed_on != compute:
+            chunk.freed_on.wait_event(chunk.h2d_done)  # it frees the reload: same order there
         return saved.on(chunk.reloaded)
 
     def _prefetch(self, group: _Group, seq: int) -> None:
@@ -790,9 +796,6 @@ class OffloadEngine:
         with copies.on(copies.h2d):
             for chunk, gpu in zip(targets, destinations):
                 gpu.copy_(chunk.host, non_blocking=chunk.pinned)
-                # If the chunk dies before any view of it is unpacked (backward stopped early),
-                # its memory goes back to the compute stream: make that wait for this copy.
-                copies.record(gpu, copies.h2d)
                 # Held by the chunk, which dies with the last saved view of it: the reloaded
                 # storage lives as long as backward still needs one of its views.
                 chunk.reload_into(gpu)
@@ -801,6 +804,13 @@ class OffloadEngine:
         for chunk in targets:
             chunk.last_reader = done
             chunk.h2d_done = done
+            # No record_stream on the destination: the compute stream, which allocated it and
+            # frees it, waits for this copy before any view of it is used (`_unpack`), or when
+            # the chunk dies unused (backward stopped early). With record_stream the allocator
+            # frees it only once it sees the copy done, and backward's host thread runs ahead
+            # of the GPU: on the H200 blocks stack 4 reloaded block inputs were still waiting
+            # to be freed at checkpoint + cpu_checkpointing's peak.
+            chunk.freed_on = compute
 
     # --- lifetime -----------------------------------------------------------------------------
 
@@ -838,8 +848,9 @@ class _StepScope:
 
 
 # What the copy windows are counted in: "storage" (the largest storage moved in a step) or
-# "group" (the largest group).
+# "group" (the largest group), times _WINDOW_SCALE.
 _WINDOW_UNIT = "storage"
+_WINDOW_SCALE = 1
 
 # A view is moved with its whole storage (q, k and v of one qkv projection travel as one
 # storage) unless the storage is more than this many times larger than the view.
