@@ -214,7 +214,7 @@ class _Chunk:
 
     __slots__ = (
         "__weakref__", "group", "seq", "device", "nbytes", "gpu", "host", "buffer", "pinned",
-        "reloaded", "pool", "stats", "last_reader", "views", "h2d_done", "used", "freed_on",
+        "reloaded", "pool", "stats", "last_reader", "views", "h2d_done", "used", "ahead", "freed_on",
     )
 
     def __init__(self, tensor: torch.Tensor, group: _Group, pool: HostPool, stats: OffloadStats) -> None:
@@ -224,7 +224,8 @@ class _Chunk:
         self.seq = len(step.chunks)
         step.chunks.append(weakref.ref(self))
         self.h2d_done: Any = None
-        self.used = False  # a view of the reload was unpacked
+        self.used = False  # a view of it was unpacked in backward
+        self.ahead = False  # counted in its step's bytes on the device ahead of use
         self.freed_on: Any = None  # the stream that allocated the reload, and frees it
         self.device = tensor.device
         self.nbytes = storage.nbytes()
@@ -254,12 +255,19 @@ class _Chunk:
         """Backward's copy of the storage, held until the last view of it is done."""
         self.reloaded = gpu
         self.stats.hold(self.nbytes)
-        self.group.step.ahead += self.nbytes
+        self.wait_for_use()
+
+    def wait_for_use(self) -> None:
+        """Count the storage as on the device ahead of use (reloaded, or kept at the turn)."""
+        if not (self.used or self.ahead):
+            self.ahead = True
+            self.group.step.ahead += self.nbytes
 
     def use(self) -> None:
-        """A view of the reload was unpacked: it no longer counts as reloaded ahead of use."""
-        if not self.used:
-            self.used = True
+        """A view of the storage was unpacked: it no longer counts as ahead of use."""
+        self.used = True
+        if self.ahead:
+            self.ahead = False
             self.group.step.ahead -= self.nbytes
 
     def __del__(self) -> None:
@@ -275,6 +283,7 @@ class _Chunk:
                 self.freed_on.wait_event(self.h2d_done)
             except Exception:  # interpreter shutdown: CUDA may be gone already
                 pass
+        if getattr(self, "ahead", False):
             self.use()
         if getattr(self, "buffer", None) is not None:
             try:
@@ -499,6 +508,12 @@ class OffloadEngine:
         group, self._open = self._open, self._new_group(offload, gap)
         if group is not None:
             self._close(group)
+        stays = self._open.offload and not self._open.eager
+        if stays and group is not None and group.eager:
+            # The group that stays for backward opens after storages left one by one: it will
+            # hold its whole block to the turn, so at most one copy stays in flight under it
+            # (one keeps the copy stream busy through its forward; more would add to the turn).
+            self._retire(keep=1)
         return self._open.index
 
     def _close(self, group: _Group) -> None:
@@ -572,6 +587,12 @@ class OffloadEngine:
             self._step.open_groups = []  # from here each group lives as long as its tensors
             self._step.window = self.prefetch * largest
             self._step.cursor = len(self._step.chunks) - 1
+            # The storages that stay for backward (the last groups) are on the device ahead of
+            # their use as much as a reload is: they take the window's room until used, so the
+            # first reloads start as the last block's backward ends, not on top of all of it.
+            for ref in self._step.chunks:
+                if (chunk := ref()) is not None and chunk.gpu is not None:
+                    chunk.wait_for_use()
         self._step = self._open = None
         self._owner = None
         self._chunks = {}
@@ -720,8 +741,7 @@ class OffloadEngine:
             return packed.tensor
         saved = packed
         chunk = saved.chunk
-        if chunk.reloaded is not None:
-            chunk.use()
+        chunk.use()  # before the prefetch: it no longer takes room in the window
         self._prefetch(chunk.group, chunk.seq)
         saved.check_version()
         if saved.modified:
@@ -731,7 +751,6 @@ class OffloadEngine:
         if chunk.reloaded is None:
             self._stats.late_reloads += 1
             self._reload([chunk])
-            chunk.use()
         compute = self._copies.compute()
         compute.wait_event(chunk.h2d_done)
         if chunk.freed_on is not compute and chunk.freed_on != compute:
@@ -850,7 +869,7 @@ class _StepScope:
 # What the copy windows are counted in: "storage" (the largest storage moved in a step) or
 # "group" (the largest group), times _WINDOW_SCALE.
 _WINDOW_UNIT = "storage"
-_WINDOW_SCALE = 1
+_WINDOW_SCALE = 2
 
 # A view is moved with its whole storage (q, k and v of one qkv projection travel as one
 # storage) unless the storage is more than this many times larger than the view.
