@@ -183,3 +183,24 @@ def test_no_held_verdict_without_the_engine_or_without_checkpointing():
                 if v.promise == "held inputs"]
     everything = Policy.model_validate({"version": 1, "cpu_checkpointing": True})
     assert not [v for v in judge(everything, _measured()) if v.promise == "held inputs"]
+
+
+def test_an_in_place_change_before_a_storage_leaves_is_an_error_in_every_step():
+    """From the second step a storage leaves as soon as the next one is saved; an in-place change
+    queued before that is caught when its copy starts, as the whole-group copy of the first step
+    catches it at the boundary: backward raises instead of using changed values."""
+    with host_loopback():
+        engine = OffloadEngine(pin=False, min_offload_bytes=0, keep_last=1, device="cpu")
+        x = torch.randn(256, requires_grad=True)
+        for _ in range(3):
+            with engine.step():
+                h = x
+                for i in range(4):
+                    engine.mark_group()
+                    h = (h * 1.0).exp()  # saves its output
+                    if i == 1:
+                        h.add_(1)  # autograd without hooks raises for this at backward
+                    h = h * 1.0
+                out = h.sum()
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                out.backward()
