@@ -38,7 +38,9 @@ fastest offload runtimes do (../shared/reference/BACKENDS.md section 3):
   nor more than this process's part of `pin_budget_per_node` (a ledger the node's ranks share:
   `actcfg.runtime.host_budget`); past either, or if pinning fails, pageable buffers with one
   warning. The pool grows ahead of need on its own thread (see `HostPool`).
-* A saved view travels with its whole storage (q, k and v of one projection are one copy), and
+* A saved view travels with its whole storage (q, k and v of one projection are one copy; a
+  view saved after its storage's copy was done and released is served from that copy, if the
+  storage is the same and unchanged: a compiled graph saves its tensors in one burst), and
   is rebuilt on the reloaded storage with its own strides and offset: `unpack(pack(t))` equals
   `t` in value, size, dtype and device, as torch's hook contract asks, and in layout too. That
   last part is not cosmetic: on an H200 (torch 2.11), bf16 transformer blocks whose saved q/k/v
@@ -80,6 +82,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
 from actcfg.errors import OffloadError
@@ -227,6 +230,7 @@ class _Chunk:
     __slots__ = (
         "__weakref__", "group", "seq", "device", "nbytes", "gpu", "host", "buffer", "pinned",
         "reloaded", "pool", "stats", "last_reader", "views", "h2d_done", "used", "ahead", "freed_on",
+        "storage_ref", "versions",
     )
 
     def __init__(self, tensor: torch.Tensor, group: _Group, pool: HostPool, stats: OffloadStats) -> None:
@@ -236,6 +240,11 @@ class _Chunk:
         self.seq = len(step.chunks)
         step.chunks.append(weakref.ref(self))
         self.h2d_done: Any = None
+        # Which storage it is, after its device memory was released (a weak reference: a new
+        # storage at the same address is another one), and the versions its views had when the
+        # copy started: a view of it saved again later is served from the host copy.
+        self.storage_ref = StorageWeakRef(storage)
+        self.versions: set[int] = set()
         self.used = False  # a view of it was unpacked in backward
         self.ahead = False  # counted in its step's bytes on the device ahead of use
         self.freed_on: Any = None  # the stream that allocated the reload, and frees it
@@ -252,6 +261,15 @@ class _Chunk:
         stats.hold(self.nbytes)
         self.last_reader: Any = None
         self.views: list[weakref.ref[_Saved]] = []
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` views this chunk's storage, unchanged since its copy to the host
+        started, after that copy was done and the device memory released (a compiled graph
+        saves its tensors in one burst, where views of one storage need not come together)."""
+        storage = tensor.untyped_storage()
+        return (self.gpu is None and self.host is not None and self.reloaded is None
+                and not self.storage_ref.expired() and self.storage_ref.cdata == storage._cdata
+                and self.nbytes == storage.nbytes() and tensor._version in self.versions)
 
     def release_gpu(self) -> None:
         """Drop every device reference to the storage (the caller has made its reuse safe)."""
@@ -666,6 +684,11 @@ class OffloadEngine:
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
         chunk = self._chunks.get(ptr)
+        if chunk is not None and chunk.holds(tensor):
+            saved = _Saved(tensor, chunk)
+            saved.view = None  # served from the host copy: the device memory stays released
+            chunk.views.append(weakref.ref(saved))
+            return saved
         if chunk is None or chunk.gpu is None or chunk.nbytes != storage.nbytes():
             if storage.nbytes() > _MAX_STORAGE_OVER_VIEW * nbytes:
                 # A small view of a large storage: moving the storage would move mostly other
@@ -704,6 +727,8 @@ class OffloadEngine:
                 for ref in chunk.views:
                     if (saved := ref()) is not None:
                         saved.check_version()
+                        if not saved.modified:
+                            chunk.versions.add(saved.version)
                 buffer, last_reader, pinned = self._pool.acquire(chunk.nbytes)
                 if last_reader is not None:
                     copies.d2h.wait_event(last_reader)  # the reload that last read this buffer
