@@ -77,10 +77,11 @@ class OffloadStats:
     kept_views: int = 0
     """Saved views of a storage over 4x their size, left on the GPU in the last step."""
     copy_waits: int = 0
-    """Times the compute stream waited for a copy to the host in the last step (at a group
-    boundary with `max_inflight` copies running, or at the turn): copy time compute did not hide."""
+    """Times the compute stream waited for a copy to the host in the last step (its window of
+    copies in flight was full, or at the turn): copy time compute did not hide."""
     most_inflight: int = 0
-    """Most copies to the host in flight at once in the last step (at most `max_inflight`)."""
+    """Most copies to the host in flight at once in the last step: groups in the first step (at
+    most `max_inflight`), storages after (within `max_inflight` windows of bytes)."""
     device_bytes: int = 0
     """Bytes of offloadable storages the engine holds on the device now: those of groups marked
     for offload not yet released after their copy (the open group, copies in flight, groups kept

@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from actcfg.runtime import offload
 from actcfg.runtime.offload import OffloadEngine, host_loopback
 from actcfg.api import apply
 from actcfg.policy.schema import Policy
@@ -67,16 +68,19 @@ def test_the_callers_batch_stays_where_it_is():
     assert st.most_backward_device_bytes == 2 * one
 
 
-def test_offloading_every_block_holds_the_group_in_use_and_the_one_prefetched():
-    """Every block's activations offloaded (no checkpoint): forward holds the open group alone,
-    backward the group in use and the one reloading below it, never the whole stack."""
+def test_offloading_every_block_holds_one_block_forward_and_backward():
+    """Every block's activations offloaded (no checkpoint): forward holds the open group alone;
+    backward holds the last block (which stayed) and reloads the block below only as far as the
+    last block's storages have been used (they count against the reload window until then), so
+    never a second whole block, let alone the stack."""
     model, x = _stack()
+    one = x.numel() * x.element_size()
     st = _steps(model, x, {"version": 1, "cpu_checkpointing": True})
     per_group = [b for b in st.group_offloaded_bytes if b]
     largest = max(per_group)
     assert len(per_group) == N - 1  # the last block stays for backward (keep_last 1)
     assert st.most_forward_device_bytes <= largest
-    assert st.most_backward_device_bytes <= 2 * largest
+    assert st.most_backward_device_bytes <= largest
     assert st.device_bytes == 0
 
 
@@ -91,10 +95,14 @@ def test_a_forward_without_backward_gives_its_device_bytes_back_when_the_graph_d
 
 def test_while_copies_run_forward_holds_the_group_just_finished_and_max_inflight_in_flight():
     """Copies never finish by themselves here (a GPU copy still running), each group saves 4
-    storages. Read at each boundary, before the next group's copy is launched: the device holds
-    the group just finished and `max_inflight` groups in flight, every step the same; the
-    engine's forward high-water mark (at the turn: the last group, which stays, and the copies
-    in flight) says the same."""
+    storages. Read at each boundary, before the next group's copy is launched. In the first step
+    (the engine does not yet know which groups stay for backward) whole groups leave at their
+    boundary: the device holds the group just finished and `max_inflight` groups in flight. From
+    the second step on, each storage leaves as soon as the next one is saved, within a window of
+    `max_inflight` times a few storages in flight: the device holds those and the newest one.
+    The engine's forward high-water mark is at the turn: the last group, which stays, and the
+    copies in flight (from the second step, one: the others are waited for as that group
+    opens)."""
     for max_inflight in (1, 2):
         with host_loopback():
             engine = OffloadEngine(pin=False, min_offload_bytes=0, keep_last=1,
@@ -106,8 +114,9 @@ def test_while_copies_run_forward_holds_the_group_just_finished_and_max_inflight
 
             engine._copies.d2h.record_event = Pending  # type: ignore[method-assign]
             x = torch.randn(256, requires_grad=True)
-            group = 4 * 256 * 4
-            for _ in range(2):
+            storage = 256 * 4
+            group = 4 * storage
+            for first in (True, False):
                 at_boundaries = []
                 with engine.step():
                     h = x
@@ -117,8 +126,15 @@ def test_while_copies_run_forward_holds_the_group_just_finished_and_max_inflight
                         for _ in range(4):
                             h = (h * 1.0).exp()  # exp saves its output: one storage each
                     out = h.sum()
-                assert max(at_boundaries) == (1 + max_inflight) * group
-                assert engine.stats.most_forward_device_bytes == (1 + max_inflight) * group
+                if first:
+                    assert max(at_boundaries) == group + max_inflight * group
+                    # at the turn: the last group, which stays, and the copies in flight
+                    assert engine.stats.most_forward_device_bytes == group + max_inflight * group
+                else:
+                    window = max_inflight * offload._WINDOW_STORAGES * storage
+                    assert max(at_boundaries) == storage + window
+                    # under the group that stays, one copy is left in flight
+                    assert engine.stats.most_forward_device_bytes == group + storage
                 out.backward()
                 assert engine.stats.device_bytes == 0
 
@@ -167,3 +183,24 @@ def test_no_held_verdict_without_the_engine_or_without_checkpointing():
                 if v.promise == "held inputs"]
     everything = Policy.model_validate({"version": 1, "cpu_checkpointing": True})
     assert not [v for v in judge(everything, _measured()) if v.promise == "held inputs"]
+
+
+def test_an_in_place_change_before_a_storage_leaves_is_an_error_in_every_step():
+    """From the second step a storage leaves as soon as the next one is saved; an in-place change
+    queued before that is caught when its copy starts, as the whole-group copy of the first step
+    catches it at the boundary: backward raises instead of using changed values."""
+    with host_loopback():
+        engine = OffloadEngine(pin=False, min_offload_bytes=0, keep_last=1, device="cpu")
+        x = torch.randn(256, requires_grad=True)
+        for _ in range(3):
+            with engine.step():
+                h = x
+                for i in range(4):
+                    engine.mark_group()
+                    h = (h * 1.0).exp()  # saves its output
+                    if i == 1:
+                        h.add_(1)  # autograd without hooks raises for this at backward
+                    h = h * 1.0
+                out = h.sum()
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                out.backward()

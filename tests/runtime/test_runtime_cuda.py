@@ -131,9 +131,10 @@ def probe(request) -> Probe:
 
 
 def assert_flat(per_block: list[int], unit: int, fluctuation: int, label: str) -> None:
-    """Over the second half of the stack: growth per block under 5% of one block input, and
+    """Over the second half of the stack, less the last block (its activations stay on the GPU
+    for backward, which needs them first): growth per block under 5% of one block input, and
     at most `fluctuation` bytes above the flat level while copies drain."""
-    half = per_block[len(per_block) // 2:]
+    half = per_block[len(per_block) // 2:-1]
     assert len(half) >= 2, per_block
     growth = (half[-1] - half[0]) / (len(half) - 1)
     mib = [round(m / 2**20) for m in per_block]

@@ -51,7 +51,7 @@ def test_promises_follow_from_the_policy(pol, promises):
 def test_every_promise_holds_for_a_working_offload():
     assert judge(OFFLOAD, measured()) == [
         Verdict("cpu_checkpointing", True,
-                "GPU memory stopped growing: 0 B per block over blocks 5 to 9 (limit 13.1 MB, "
+                "GPU memory stopped growing: 0 B per block over blocks 4 to 8 (limit 13.1 MB, "
                 "5% of one block input); 2.0 block inputs stay on the GPU"),
         Verdict("peak", True, "the peak fell from 3.15 GB to 0.79 GB (75% lower)"),
         Verdict("gradients", True,

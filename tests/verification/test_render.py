@@ -91,7 +91,7 @@ step time        plain 123.4 ms, policy 200.0 ms (median of 3)
 host memory      pinned 2250.0 MiB, pageable 0.0 MiB
 gradient error   0 max relative, float16 tolerance 1e-02
 
-PASS  cpu_checkpointing  GPU memory stopped growing: 0 B per block over blocks 5 to 9 (limit 13.1 MB, 5% of one block input); 2.0 block inputs stay on the GPU
+PASS  cpu_checkpointing  GPU memory stopped growing: 0 B per block over blocks 4 to 8 (limit 13.1 MB, 5% of one block input); 2.0 block inputs stay on the GPU
 PASS  peak               the peak fell from 3.15 GB to 0.79 GB (75% lower)
 PASS  gradients          gradients match the plain run: max relative error 0, within the float16 tolerance 1e-02
 """
