@@ -26,6 +26,7 @@ DESCRIPTIONS: dict[str, str] = {
     'RulesCheckpoint.predicted': 'What `actcfg plan` predicted for these rules (`step_time_ms`, `peak`); `actcfg verify`\nreports it beside what it measures.',
     'AutoCheckpoint.mode': '`auto`: plan from a profile of one training step on the GPU (`actcfg plan`, or\n`actcfg.apply(model, policy, inputs=...)`).',
     'AutoCheckpoint.modules': "The candidate modules the plan chooses for (the model's blocks, such as `[Block]`): fnmatch\npatterns on class names and qualified names; each keeps, checkpoints or offloads as planned.",
+    'AutoCheckpoint.submodules': "Finer candidates: the parts of each candidate module the plan may checkpoint one by one\ninstead of the whole module (a block's recompute then peaks at its largest part, not the\nwhole block). `none`: whole modules only; `children`: each module's direct children that hold\nparameters (a Llama layer's `self_attn`, `mlp` and norms); or fnmatch patterns on names\nrelative to the module or class names (`[self_attn, mlp]`, `[LlamaMLP]`).",
     'Policy.version': 'Schema version of this file; this actcfg reads version 1.',
     'Policy.backend': 'Backend that `actcfg.apply` and `actcfg translate` use unless told otherwise.',
     'Policy.checkpoint': 'Activation checkpointing: which modules recompute their activations in backward.',
