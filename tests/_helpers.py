@@ -129,3 +129,61 @@ def saved_bytes(model: nn.Module, x: torch.Tensor, modules: list[nn.Module], min
         for h in handles:
             h.remove()
     return [sum(sizes[p] for p in ptrs) for ptrs in seen]
+
+
+class LiveBytes:
+    """The CPU's stand-in for `torch.cuda.max_memory_allocated`: the peak bytes of tensor storages
+    alive at once while it is entered, counting each storage an op creates until it is freed
+    (its weak reference expires). Frees are seen at the next op, so the peak is read where an
+    allocator's would be: after an op's outputs exist, before its inputs can go."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        meter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                out = func(*args, **(kwargs or {}))
+                meter._sweep()
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        storage = t.untyped_storage()
+                        key = storage.data_ptr()
+                        if storage.nbytes() and key not in meter.live:
+                            meter.live[key] = (StorageWeakRef(storage), storage.nbytes())
+                            meter.now += storage.nbytes()
+                meter.peak = max(meter.peak, meter.now)
+                return out
+
+        self._mode = _Mode()
+        self.live: dict[int, tuple[Any, int]] = {}
+        self.now = 0
+        self.peak = 0
+
+    def _sweep(self) -> None:
+        for key, (ref, nbytes) in list(self.live.items()):
+            if ref.expired():
+                del self.live[key]
+                self.now -= nbytes
+
+    def __enter__(self) -> LiveBytes:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+
+
+def live_peak(model: nn.Module, inputs: Any) -> int:
+    """Peak bytes (`LiveBytes`) of one training step of `model` on `inputs` under the default
+    loss, gradients set to None first: the CPU measurement a plan's budget is held to."""
+    from actcfg.runtime.step import default_loss, split_inputs
+
+    args, kwargs = split_inputs(inputs)
+    model.zero_grad(set_to_none=True)
+    with LiveBytes() as meter:
+        default_loss(model(*args, **kwargs)).backward()
+    return meter.peak

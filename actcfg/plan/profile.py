@@ -1,7 +1,7 @@
 """Profile one training step per candidate block under each choice, on the real model.
 
-For each choice (keep, selective, full, full + offload, offload) the candidates get that choice
-uniformly, through `actcfg.apply` with a `checkpoint.mode: rules` policy (removed after), and a
+For each choice (keep, selective, split into parts, full, full + offload, offload) the
+candidates get that choice uniformly, through `actcfg.apply` with a `checkpoint.mode: rules` policy (removed after), and a
 few steps run under a probe: forward and backward hooks on each candidate record CUDA events
 and `torch.cuda` memory statistics at its boundaries (its forward; its backward, from the
 gradient of its output to the gradient of its input; the turn between the last forward and the
@@ -39,6 +39,7 @@ from actcfg.errors import ActcfgError, PlanError
 from actcfg.runtime.offload import OffloadWarning, loopback_enabled
 from actcfg.plan.cost import Run, assemble
 from actcfg.plan.model import CHOICE_OF, CHOICES, OFFLOADS, Profile
+from actcfg.plan.parts import find_parts
 from actcfg.plan.probe import Meter, Probe, copy_bandwidth
 from actcfg.plan.saved import saved_bytes
 from actcfg.plan.trial import Apply
@@ -113,8 +114,10 @@ def _uniform(names: Sequence[str], choice: str, pin: bool, pin_budget: int | Non
 def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], choice: str,
          args: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor],
          apply: Apply, meter: Meter, steps: int, pin: bool,
-         pin_budget: int | None) -> Run:
-    handle = None if choice == "keep" else apply(model, _uniform(names, choice, pin, pin_budget))
+         pin_budget: int | None, taken: Sequence[str]) -> Run:
+    # `taken`: the modules the choice's rule names (the blocks, or their parts for `split`);
+    # the probe and the byte counts stay on the blocks either way.
+    handle = None if choice == "keep" else apply(model, _uniform(taken, choice, pin, pin_budget))
     probe = Probe(modules, meter)
     try:
         probe.step(model, args, kwargs, loss_fn)  # warm-up: pinned pools, allocator, kernels
@@ -124,7 +127,7 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
         # blocks (on an H200, 8 blocks of d_model 1024 timed 27 ms probed, 17 ms unprobed): the
         # same steps unprobed scale every time the probe read.
         unprobed, _ = measure_steps(model, kwargs if kwargs else tuple(args), loss_fn=loss_fn,
-                                    steps=steps)
+                                    steps=steps, count=meter.memory)
         moved = [0] * len(names)
         if handle is not None and handle.engine is not None:
             by_name = {}
@@ -158,17 +161,26 @@ def profile(
     pin_budget: int | None = None,
     steps: int = 2,
     choices: Sequence[str] | None = None,
+    submodules: str | Sequence[str] = "none",
 ) -> Profile:
     """Profile one training step of `model` on `inputs` per candidate (`modules`: fnmatch
-    patterns) under each choice; `apply` applies a concrete policy (`actcfg.api` passes it). Everything the runs change
-    is put back; PlanError when a candidate is never called or the plain step cannot be run."""
+    patterns) under each choice; `apply` applies a concrete policy (`actcfg.api` passes it).
+    `submodules` (`checkpoint.submodules`) names each candidate's parts, which add the `split`
+    choice: the parts checkpointed one by one. Everything the runs change is put back;
+    PlanError when a candidate is never called or the plain step cannot be run."""
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
-    meter = Meter(device)
     can_offload = device.type == "cuda" or (device.type == "cpu" and loopback_enabled())
     wanted = tuple(c for c in (choices or CHOICES) if can_offload or c not in OFFLOADS)
     selected = select_modules(model, tuple(modules), 1)
     names = [n for n, _ in selected]
     blocks = [m for _, m in selected]
+    parts = find_parts(selected, submodules)
+    part_names = [tuple(n for n, _ in ps) for ps in parts]
+    if not any(part_names):
+        wanted = tuple(c for c in wanted if not CHOICE_OF[c].parts)
+
+    def taken(choice: str) -> list[str]:
+        return [n for ps in part_names for n in ps] if CHOICE_OF[choice].parts else names
     args, kwargs = _split(inputs)
     loss = loss_fn or default_loss
     notes: list[str] = []
@@ -189,9 +201,9 @@ def profile(
                     "the model's forward alone does not fit in GPU memory without a policy, so the "
                     "profile cannot count what each candidate keeps; profile it with a smaller "
                     "batch (the plan's choices scale with it), or on a GPU with more memory")
-            for choice in ("full", "selective"):
+            for choice in ("full", "selective", "split"):
                 if choice in wanted:
-                    handle = apply(model, _uniform(names, choice, pin, pin_budget))
+                    handle = apply(model, _uniform(taken(choice), choice, pin, pin_budget))
                     try:
                         held[choice] = saved_bytes(model, blocks, args, kwargs)
                     finally:
@@ -201,8 +213,11 @@ def profile(
                 held["selective"] = [s + o for s, o in zip(held["selective"], outputs)]
             for choice in wanted:
                 try:
+                    # On the CPU an offload's "host" copies are CPU tensors: its bytes are
+                    # counted by the engine, not by the meter (see `Meter`).
+                    meter = Meter(device, count=not CHOICE_OF[choice].offload)
                     runs[choice] = _run(model, blocks, names, choice, args, kwargs, loss, apply,
-                                        meter, steps, pin, pin_budget)
+                                        meter, steps, pin, pin_budget, taken(choice))
                 except torch.cuda.OutOfMemoryError:
                     notes.append(f"{choice}: out of GPU memory in its uniform run; "
                                  + ("estimated from full" if choice == "keep" else "not a choice"))
@@ -221,15 +236,16 @@ def profile(
         raise PlanError("neither a plain step nor one with every candidate checkpointed fits in "
                         "GPU memory: the profile cannot measure this model; reduce the batch, or "
                         "plan over more modules")
-    return assemble(names, held, runs, device.type, d2h, h2d, notes)
+    return assemble(names, held, runs, device.type, d2h, h2d, notes, parts=part_names)
 
 
 def measure_steps(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                  steps: int = 3) -> tuple[float, int]:
+                  steps: int = 3, count: bool = True) -> tuple[float, int]:
     """(median step ms, peak bytes of the last step above its start) of `steps` training steps
-    after one warm-up, as the profile measures them (gradients set to None before each)."""
+    after one warm-up, as the profile measures them (gradients set to None before each; on the
+    CPU the bytes `LiveBytes` counts, or 0 with `count=False`)."""
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
-    meter = Meter(device)
+    meter = Meter(device, count=count)
     args, kwargs = _split(inputs)
     loss = loss_fn or default_loss
     times = []
@@ -237,14 +253,16 @@ def measure_steps(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], tor
     for i in range(steps + 1):
         model.zero_grad(set_to_none=True)
         meter.begin()
-        start = meter.tick()
-        output = model(*args, **kwargs)
-        value = loss(output)
-        value.backward()
-        end = meter.tick()
-        del output, value
-        meter.peak_and_reset()
-        meter.end()
+        try:
+            start = meter.tick()
+            output = model(*args, **kwargs)
+            value = loss(output)
+            value.backward()
+            end = meter.tick()
+            del output, value
+            meter.peak_and_reset()
+        finally:
+            meter.end()
         if i:
             times.append(meter.ms(start, end))
             peak = meter.step_peak
