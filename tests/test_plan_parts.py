@@ -167,3 +167,38 @@ def test_validate_locates_a_bad_part_pattern(run_cli, tmp_path):
         f"{path}:5:21: error bad-value: `checkpoint.submodules.1`: 'attn..qkv' has an empty name "
         "segment: a submodule pattern is a dotted name relative to the block (`mlp`, `self_attn`, "
         "`attn.*`), with no leading, trailing or doubled dot, got 'attn..qkv' (fix the value)\n")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_gpu_below_the_checkpoint_every_layer_peak_a_plan_splits_and_fits():
+    """On the GPU, where checkpointing every layer peaks in layer 0's backward (the parameter
+    gradients piled up, and the whole layer recomputed): a Llama whose MLP outweighs the rest
+    (hidden 512, intermediate 4096, 4 layers, batch 4 x 1024, bf16, a small vocabulary so the
+    logits do not set the peak). The profile predicts each uniform choice within 5%, and a budget
+    below the checkpoint-every-layer peak gets a plan with split layers that fits, with the
+    plain gradients."""
+    from _helpers import assert_grads_within
+
+    model = tiny_llama(4, hidden_size=512, intermediate_size=4096, num_attention_heads=8,
+                       num_key_value_heads=8, max_position_embeddings=1024, vocab_size=512)
+    model = model.to("cuda", torch.bfloat16)
+    ids = torch.randint(0, 512, (4, 1024), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    inputs = {"input_ids": ids, "labels": ids}
+    prof = profile(model, (LAYER,), inputs, apply=apply, submodules="children")
+    assert "split" in prof.choices(), prof.notes
+    n = len(prof.blocks)
+    for c in prof.choices():
+        assert predict(prof, (c,) * n)[1] == pytest.approx(prof.measured[c]["peak"], rel=0.05), c
+    with apply(model, {"version": 1, "checkpoint": {"mode": "full", "modules": [LAYER]}}):
+        _, checkpoint_peak = measure_steps(model, inputs, steps=2)
+    plan = solve(prof, checkpoint_peak)
+    assert "split" in plan.choices
+    plain = copy.deepcopy(model)
+    measure_steps(plain, inputs, steps=1)
+    with apply(model, plan_policy(plan, source(checkpoint_peak))):
+        _, peak = measure_steps(model, inputs, steps=2)
+        got = grads_of(model, as_float=True)
+    assert peak <= checkpoint_peak, (plan.choices, peak, checkpoint_peak)
+    assert peak == pytest.approx(plan.peak, rel=0.05)
+    assert_grads_within(got, grads_of(plain, as_float=True), 2e-2)
