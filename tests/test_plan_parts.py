@@ -202,3 +202,20 @@ def test_gpu_below_the_checkpoint_every_layer_peak_a_plan_splits_and_fits():
     assert peak <= checkpoint_peak, (plan.choices, peak, checkpoint_peak)
     assert peak == pytest.approx(plan.peak, rel=0.05)
     assert_grads_within(got, grads_of(plain, as_float=True), 2e-2)
+
+
+def test_a_plan_file_naming_parts_is_this_models_and_not_another_ones(profiled, tmp_path):
+    """A trainer's plan_file= check: a split layer is named by its parts, and still counts as
+    the candidate it is; the same file is refused for a model without that layer."""
+    from actcfg.errors import PolicyApplyError
+    from actcfg.integrations._planning import check_plan_fits_model
+
+    model, _, prof = profiled
+    budget = predict(prof, ("full",) * len(prof.blocks))[1] - 1
+    planned = plan_policy(solve(prof, budget), source(budget))
+    assert any(c == "split" for c in solve(prof, budget).choices)
+    path = tmp_path / "actcfg-plan.yaml"
+    check_plan_fits_model(model, source(budget), planned, path)  # its own model: accepted
+    smaller = tiny_llama(3, intermediate_size=256)
+    with pytest.raises(PolicyApplyError, match=r"was planned for another model: it names "):
+        check_plan_fits_model(smaller, source(budget), planned, path)

@@ -56,11 +56,9 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
         backward_ms = [max(0.0, g - f) for g, f in zip(backward_ms, forward_ms)]
     moved = {c: runs[c].moved if c in runs else [0] * n for c in CHOICES}
     hold: dict[str, list[int]] = {"keep": held["keep"]}
-    for c in ("full", "selective"):
+    for c in ("full", "selective", "split"):
         if c in held:
             hold[c] = held[c]
-    if "split" in held:
-        hold["split"] = held["split"]
     for choice in CHOICE_TABLE:  # an offload choice holds its twin's bytes less what it moved
         if choice.counterpart in hold:
             hold[choice.name] = [max(0, h - m) for h, m in zip(hold[choice.counterpart],
@@ -89,7 +87,7 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
                 bwd = source.step.backward_peak[b] - before(ran, b) - copies[ran][1][b]
                 if ran != c:
                     fwd += hold["keep"][b] - hold["full"][b]
-            else:  # not read (an offload on the CPU): a block's activations while it runs, and again in backward
+            else:  # not read (an offload on the CPU): its activations while it runs, and again in backward
                 fwd = hold["keep"][b]
                 bwd = hold["keep"][b] + hold[c][b] + moved[c][b]
             if CHOICE_OF[c].mode != "none":  # recomputes: as its on-device twin's run measured

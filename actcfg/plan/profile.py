@@ -1,11 +1,11 @@
 """Profile one training step per candidate block under each choice, on the real model.
 
 For each choice (keep, selective, split into parts, full, full + offload, offload) the
-candidates get that choice uniformly, through `actcfg.apply` with a `checkpoint.mode: rules` policy (removed after), and a
-few steps run under a probe: forward and backward hooks on each candidate record CUDA events
-and `torch.cuda` memory statistics at its boundaries (its forward; its backward, from the
-gradient of its output to the gradient of its input; the turn between the last forward and the
-first backward). What each block keeps is counted with saved-tensor hooks (storages saved inside
+candidates get that choice uniformly, through `actcfg.apply` with a `checkpoint.mode: rules`
+policy (removed after), and a few steps run under a probe: forward and backward hooks on each
+candidate record CUDA events and `torch.cuda` memory statistics at its boundaries (its forward;
+its backward, from the gradient of its output to the gradient of its input; the turn between the
+last forward and the first backward). What each block keeps is counted with saved-tensor hooks (storages saved inside
 its forward; for selective, also the outputs of its saved ops) and, for offload choices, with the
 offload engine's own per-group counts. Copy bandwidth each way is measured pinned. Everything
 is put back after: gradients, buffers, training mode and RNG state.
@@ -14,9 +14,10 @@ The jobs live apart: the probe (`actcfg.plan.probe`), the byte counts (`actcfg.p
 the cost model that turns both into a `Profile` (`actcfg.plan.cost`); this module runs them.
 
 On the CPU (tests, or `apply` of a CPU model) the same runs happen, timed with wall-clock hooks;
-memory is not measured there, and its peaks are estimated from the counted bytes (see
-`Profile.notes`). Offload choices are profiled only where offloading runs (CUDA, or the host
-loopback).
+memory is the bytes of live tensor storages (`actcfg.plan.probe.LiveBytes`), except for offload
+choices, whose "host" copies are CPU tensors there: their peaks are estimated from the counted
+bytes (see `Profile.notes`). Offload choices are profiled only where offloading runs (CUDA, or
+the host loopback).
 """
 
 from __future__ import annotations
