@@ -37,4 +37,7 @@ def plan_fields(code: str, hint: str) -> dict[str, Entry]:
         "memory_budget": Unsupported(
             code, "`memory_budget` is torch-only for now: actcfg plans with torch's checkpoint "
             "and its own offload engine", hint),
+        "checkpoint.submodules": Unsupported(
+            code, "`checkpoint.submodules` is torch-only for now: the parts of a block a plan "
+            "checkpoints one by one are wrapped with torch's checkpoint", hint),
     }

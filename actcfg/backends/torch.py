@@ -39,6 +39,7 @@ TABLE: dict[str, Entry] = {
     "checkpoint.predicted.step_time_ms": Meta("what actcfg plan predicted; verify compares"),
     "checkpoint.predicted.peak": Meta("what actcfg plan predicted; verify compares"),
     "memory_budget": Key("checkpoint.memory_budget"),
+    "checkpoint.submodules": Key("checkpoint.submodules"),
     **deepspeed_only(),
 }
 """Policy field -> WrapPlan attribute (and the torch keyword argument it becomes)."""
