@@ -13,8 +13,11 @@ Workloads (one model built per workload and reused; each variant applied, measur
 For each: the plain run (the reference for gradients), one profile (`actcfg.plan.profile`), the
 uniform policies (checkpoint every k in 1, 2, 4; selective; checkpoint + cpu_checkpointing;
 everything offloaded), and a plan for each budget: 25%, 50% and 75% of the way from the
-checkpoint-every-block peak to the plain peak, and that peak itself (seed: the offload-all peak
-and one layer input above it; blocks also at torchtune's offload peak). A time counts only
+checkpoint-every-block peak to the plain peak, that peak itself, and halfway to it from the
+offload floor (the least of the offload-everything peak and the smallest plan) (seed: the
+offload-all peak and one layer input above it; blocks also at torchtune's offload peak). The
+blocks and the Llama layers are profiled with `checkpoint.submodules: children`, so a plan may
+checkpoint a block's parts one by one. A time counts only
 beside its proof: gradients equal to plain within 2e-2 relative (bf16; fp16 1e-2), a plan's
 measured peak within its budget, a checkpoint's peak below plain, an offload's bytes moved.
 `--compile` adds torch.compile with `activation_memory_budget` 0.5 and 0.1, and at each of those
@@ -47,7 +50,7 @@ import actcfg
 from actcfg import probes
 from actcfg.policy.checker import load
 from actcfg.errors import PlanError
-from actcfg.plan import OFFLOADS, predict, solve
+from actcfg.plan import OFFLOADS, predict, smallest_peak, solve
 from actcfg.plan.profile import copy_bandwidth, profile
 from actcfg.runtime.step import default_loss
 from actcfg.plan.write import policy_text
@@ -93,6 +96,7 @@ class Workload:
     block: str  # class name for the uniform policies
     dtype: torch.dtype
     layer_input: int  # bytes of one block input, for the seed's "one layer more" budget
+    submodules: str = "none"  # `checkpoint.submodules`: the finer candidates the plans may split
 
 
 def llama() -> tuple[nn.Module, Any]:
@@ -118,9 +122,10 @@ def seed() -> tuple[nn.Module, Any]:
 
 
 WORKLOADS = {
-    "blocks": Workload("blocks", blocks, ("Block",), "Block", torch.bfloat16, 8 * 2048 * 2048 * 2),
+    "blocks": Workload("blocks", blocks, ("Block",), "Block", torch.bfloat16, 8 * 2048 * 2048 * 2,
+                       "children"),
     "llama": Workload("llama", llama, ("LlamaDecoderLayer",), "LlamaDecoderLayer", torch.bfloat16,
-                      4 * 2048 * 2048 * 2),
+                      4 * 2048 * 2048 * 2, "children"),
     "seed": Workload("seed", seed, ("Linear",), "Linear", torch.float16, 256 * 256 * 2000 * 2),
 }
 
@@ -236,7 +241,7 @@ def bench(w: Workload, args: argparse.Namespace, bw: tuple[float, float]) -> tup
     rows.append(plain)
     print(f"{w.name}: plain {plain.step_ms:.1f} ms, peak {plain.peak / GiB:.2f} GiB", flush=True)
     t1 = time.perf_counter()
-    prof = profile(model, w.candidates, inputs, apply=apply)
+    prof = profile(model, w.candidates, inputs, apply=apply, submodules=w.submodules)
     profile_s = time.perf_counter() - t1
     print(f"{w.name}: profiled in {profile_s:.1f} s", flush=True)
     for name, pol in uniform_variants(w):
@@ -260,7 +265,15 @@ def bench(w: Workload, args: argparse.Namespace, bw: tuple[float, float]) -> tup
         budgets[0] = ("the checkpoint-every-block peak", low)
         if w.name == "blocks":
             budgets.append(("torchtune's offload peak", int(args.torchtune_peak)))
-    source = Policy.model_validate({"version": 1, "checkpoint": {"mode": "auto", "modules": list(w.candidates)},
+        # The offload floor: the least of offloading everything (measured) and the smallest peak
+        # any plan reaches (predicted); on the blocks stack offloading everything peaks above
+        # checkpointing every block, so the floor is the planner's.
+        floor = min([smallest_peak(prof)] + ([everything.peak] if not everything.skipped else []))
+        budgets.append(("halfway from the offload floor to the checkpoint peak", (floor + low) // 2))
+        print(f"{w.name}: offload floor {floor / GiB:.3f} GiB (smallest predicted plan "
+              f"{smallest_peak(prof) / GiB:.3f} GiB), checkpoint every block {low / GiB:.3f} GiB", flush=True)
+    source = Policy.model_validate({"version": 1, "checkpoint": {"mode": "auto", "modules": list(w.candidates),
+                                                                 "submodules": w.submodules},
                                     "memory_budget": max(b for _, b in budgets)})
     for label, budget in budgets:
         row, rules = plan_row(w, prof, budget, label, source)
@@ -292,9 +305,14 @@ def bench(w: Workload, args: argparse.Namespace, bw: tuple[float, float]) -> tup
             for scope in ("blocks", "model"):
                 rows.append(compiled_plan_row(w, model, inputs, point, scope, args.steps, ref, bw))
     predicted_uniform = {c: predict(prof, (c,) * len(prof.blocks))[0] for c in prof.choices()}
+    # each uniform choice's predicted peak against its profiling run's (split included)
+    peak_error = {c: predict(prof, (c,) * len(prof.blocks))[1] / prof.measured[c]["peak"] - 1
+                  for c in prof.choices() if prof.measured.get(c, {}).get("peak")}
+    print(f"{w.name}: uniform predicted peak / measured - 1: "
+          + ", ".join(f"{c} {e:+.1%}" for c, e in peak_error.items()), flush=True)
     meta = {"profile_s": profile_s, "total_s": time.perf_counter() - t0, "blocks": [b.name for b in prof.blocks],
             "profile": prof.to_json(), "copy_windows": prof.copy_windows(),
-            "predicted_uniform_ms": predicted_uniform}
+            "predicted_uniform_ms": predicted_uniform, "uniform_peak_error": peak_error}
     del model
     torch.cuda.empty_cache()
     return rows, meta
@@ -387,6 +405,13 @@ def targets(rows: list[Row], workloads: list[str]) -> list[str]:
                    f"{cp.planning_s:.1f} s + {cp.compiling_s:.1f} s compiling)",
                 f"{cp.step_ms:.1f} vs {point.step_ms:.1f} ms, {cp.peak / GiB:.3f} / {point.peak / GiB:.3f} GiB",
                 cp.proof == "ok" and cp.peak <= point.peak and cp.step_ms < point.step_ms)
+        everything = next((r for r in rows if r.workload == w and r.variant == "offload everything"
+                           and not r.skipped), None)
+        halfway = next((p for p in plans if p.variant.startswith("plan at halfway") and not p.skipped), None)
+        if everything is not None and halfway is not None:
+            add(w, "halfway from the offload floor to the checkpoint peak: faster than offloading everything",
+                f"{halfway.step_ms:.1f} vs {everything.step_ms:.1f} ms",
+                halfway.step_ms < everything.step_ms and halfway.proof == "ok")
         ck = next((r for r in rows if r.workload == w and r.variant == "checkpoint every 1"), None)
         # exactly the plan at that peak (the 25/50/75% plans' names begin the same way)
         at_ck = next((p for p in plans if p.variant == "plan at the checkpoint-every-block peak"), None)

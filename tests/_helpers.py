@@ -129,3 +129,4 @@ def saved_bytes(model: nn.Module, x: torch.Tensor, modules: list[nn.Module], min
         for h in handles:
             h.remove()
     return [sum(sizes[p] for p in ptrs) for ptrs in seen]
+

@@ -43,4 +43,7 @@ def plan_fields(code: str, hint: str) -> dict[str, Entry]:
         "compile.backend": Unsupported(
             code, "`compile` is torch-only for now: it says how a plan is profiled and applied",
             hint),
+        "checkpoint.submodules": Unsupported(
+            code, "`checkpoint.submodules` is torch-only for now: the parts of a block a plan "
+            "checkpoints one by one are wrapped with torch's checkpoint", hint),
     }

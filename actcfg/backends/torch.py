@@ -41,6 +41,7 @@ TABLE: dict[str, Entry] = {
     "checkpoint.predicted.step_time_ms": Meta("what actcfg plan predicted; verify compares"),
     "checkpoint.predicted.peak": Meta("what actcfg plan predicted; verify compares"),
     "memory_budget": Key("checkpoint.memory_budget"),
+    "checkpoint.submodules": Key("checkpoint.submodules"),
     # compiled after the checkpoint and offload plans (actcfg.runtime.compiling)
     "compile.scope": Key("compile.scope"),
     "compile.backend": Key("compile.backend", "backend"),

@@ -63,10 +63,15 @@ def check_plan_fits_model(model: Any, policy: Policy, plan: Policy, path: Path) 
         candidates = [n for n, _ in select_modules(model, tuple(policy.checkpoint.modules), 1)]
     except ActcfgError as e:
         raise PolicyApplyError(f"checkpoint.modules of the `mode: auto` policy: {e}") from e
-    named = dict(model.named_modules())
     patterns = [p for rule in plan.checkpoint.rules for p in rule.modules]
-    missing = [n for n in candidates if not any(pattern_matches(p, n, named[n]) for p in patterns)]
-    foreign = [p for p in patterns if not any(pattern_matches(p, n, named[n]) for n in candidates)]
+    # A plan names a candidate itself, or its parts where it split it (`checkpoint.submodules`).
+    hits = {p: [n for n, m in model.named_modules() if pattern_matches(p, n, m)] for p in patterns}
+
+    def within(name: str, candidate: str) -> bool:
+        return name == candidate or name.startswith(candidate + ".")
+
+    missing = [c for c in candidates if not any(within(n, c) for p in patterns for n in hits[p])]
+    foreign = [p for p in patterns if not any(within(n, c) for n in hits[p] for c in candidates)]
     if missing or foreign:
         said = []
         if missing:

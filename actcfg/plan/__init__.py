@@ -1,7 +1,7 @@
 """Plan activation memory: the fastest per-module policy whose peak fits a memory budget.
 
 `profile` (torch) measures one training step per candidate block under each choice (keep,
-selective, full, full + offload, offload), `solve` (pure) chooses per block with an exact
+selective, split into its parts, full, full + offload, offload), `solve` (pure) chooses per block with an exact
 dynamic program over the profile, `write` turns the choice into an explicit
 `checkpoint.mode: rules` policy, and `plan_model` does all three for `actcfg.apply` and
 `actcfg plan`. Importing this package imports no torch: `profile` is loaded on first use.
@@ -70,7 +70,8 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
     _refuse_frozen(model)
     checked = _checked_loss(loss_fn if loss_fn is not None else default_loss, loss_fn is None)
     local = run_profile(model, policy.checkpoint.modules, inputs, loss_fn=checked, apply=apply,
-                        pin=policy.pin, pin_budget=policy.pin_budget, compile=policy.compile)
+                        pin=policy.pin, pin_budget=policy.pin_budget, compile=policy.compile,
+                        submodules=policy.checkpoint.submodules)
     profiled = one_profile(local)  # the identity without a process group
     # How long this rank's profile took, and how it was compiled, are this rank's own readings.
     profiled = dataclasses.replace(profiled, compiled=local.compiled, profile_ms=local.profile_ms,
@@ -142,9 +143,10 @@ def _refuse_inexact(model: Any, planned: Policy, plan: Plan) -> None:
         taken = {n for n, _, _ in select_by_rules(model, rules)}
     except PolicyApplyError as e:
         raise PlanError(f"the plan's rules cannot be applied to this model as written: {e}") from e
-    if taken != set(plan.blocks):
-        extra = sorted(taken - set(plan.blocks))
-        missing = sorted(set(plan.blocks) - taken)
+    planned_modules = set(plan.modules())
+    if taken != planned_modules:
+        extra = sorted(taken - planned_modules)
+        missing = sorted(planned_modules - taken)
         raise PlanError(
             "the plan's rules would not take exactly the planned modules"
             + (f" (they would also take {', '.join(extra)})" if extra else "")

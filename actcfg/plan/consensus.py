@@ -104,6 +104,7 @@ def reduce_profiles(profiles: Sequence[Profile]) -> Profile:
             min(m.forward_ms for m in mine),
             min(m.backward_ms for m in mine),
             {c: _worst_option([m.options[c] for m in mine]) for c in common},
+            mine[0].parts,
         ))
     measured = {
         c: {k: max(p.measured[c][k] for p in profiles) for k in first.measured[c]}

@@ -28,10 +28,25 @@ class Run:
     moved: list[int]
 
 
+def _memory_notes(runs: dict[str, Run], cuda: bool) -> list[str]:
+    if cuda:
+        return []
+    out = ["memory on the CPU is the bytes of live tensor storages (`LiveBytes`), not an "
+           "allocator's: no caching, no fragmentation"]
+    guessed = [c for c, r in runs.items() if not r.step.memory]  # on the CPU: the offloads
+    if guessed:
+        out.append(f"{', '.join(guessed)}: their host copies are CPU tensors on the CPU, so their "
+                   "peaks are estimated from the counted saved bytes")
+    return out
+
+
 def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run], device: str,
-              d2h: float, h2d: float, notes: list[str]) -> Profile:
-    """The profile from the byte counts and the uniform runs (see `Option` for each term)."""
+              d2h: float, h2d: float, notes: list[str], *,
+              parts: list[tuple[str, ...]] | None = None) -> Profile:
+    """The profile from the byte counts and the uniform runs (see `Option` for each term);
+    `parts` names each block's parts (`checkpoint.submodules`)."""
     n = len(names)
+    parts = parts or [()] * n
     cuda = device == "cuda"
     estimated_keep = "keep" not in runs
     ref = runs["keep"] if not estimated_keep else runs["full"]
@@ -41,7 +56,7 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
         backward_ms = [max(0.0, g - f) for g, f in zip(backward_ms, forward_ms)]
     moved = {c: runs[c].moved if c in runs else [0] * n for c in CHOICES}
     hold: dict[str, list[int]] = {"keep": held["keep"]}
-    for c in ("full", "selective"):
+    for c in ("full", "selective", "split"):
         if c in held:
             hold[c] = held[c]
     for choice in CHOICE_TABLE:  # an offload choice holds its twin's bytes less what it moved
@@ -67,12 +82,12 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
         ran = c if c in runs else "full"  # keep, estimated from full when it did not fit
         source = runs[ran]
         for b in range(n):
-            if cuda:
+            if cuda or source.step.memory:
                 fwd = source.step.forward_peak[b] - before(ran, b) - copies[ran][0][b]
                 bwd = source.step.backward_peak[b] - before(ran, b) - copies[ran][1][b]
                 if ran != c:
                     fwd += hold["keep"][b] - hold["full"][b]
-            else:  # counted, not measured: a block's activations while it runs, and again in backward
+            else:  # not read (an offload on the CPU): its activations while it runs, and again in backward
                 fwd = hold["keep"][b]
                 bwd = hold["keep"][b] + hold[c][b] + moved[c][b]
             if CHOICE_OF[c].mode != "none":  # recomputes: as its on-device twin's run measured
@@ -83,22 +98,21 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
             options[b][c] = Option(held=hold[c][b], moved=moved[c][b], forward_peak=max(0, fwd),
                                    backward_peak=max(0, bwd), recompute_ms=recompute, extra_ms=recompute)
     turn_peaks = [r.step.turn_peak - sum(hold[c]) - copies[c][2]
-                  for c, r in runs.items() if c in hold] if cuda else [0]
+                  for c, r in runs.items() if c in hold and (cuda or r.step.memory)] or [0]
     measured = {c: {"step_ms": r.step.step_ms, "peak": r.step.peak} for c, r in runs.items()}
     plain_ms = ref.step.step_ms if not estimated_keep else ref.step.step_ms - sum(
         o["full"].recompute_ms for o in options)
     base = Profile(
-        blocks=tuple(BlockProfile(name, f, g, opts)
-                     for name, f, g, opts in zip(names, forward_ms, backward_ms, options)),
+        blocks=tuple(BlockProfile(name, f, g, opts, ps)
+                     for name, f, g, opts, ps in zip(names, forward_ms, backward_ms, options, parts)),
         plain_step_ms=plain_ms,
         plain_peak=0,
         turn_peak=max(0, max(turn_peaks)),
         forward_after_ms=ref.step.forward_after_ms,
         backward_before_ms=ref.step.backward_before_ms,
-        outside_peak=max(r.step.outside_peak for r in runs.values()) if cuda else 0,
+        outside_peak=max([r.step.outside_peak for r in runs.values() if cuda or r.step.memory] or [0]),
         d2h_gbps=d2h, h2d_gbps=h2d, device=device, measured=measured,
-        notes=tuple(notes) + (() if cuda else (
-            "memory on the CPU is counted from saved tensors, not measured: peaks are estimates",)),
+        notes=tuple(notes) + tuple(_memory_notes(runs, cuda)),
     )
     # Each choice's uniform run, beyond what the model predicts for it, is spread over its blocks
     # (copy and compute contending, hooks, kernels a checkpoint changes): uniform plans then
@@ -121,14 +135,15 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
             if o.extra_ms < floor:
                 options[b][c] = Option(o.held, o.moved, o.forward_peak, o.backward_peak, o.recompute_ms, floor)
     out = Profile(
-        blocks=tuple(BlockProfile(name, f, g, opts)
-                     for name, f, g, opts in zip(names, forward_ms, backward_ms, options)),
+        blocks=tuple(BlockProfile(name, f, g, opts, ps)
+                     for name, f, g, opts, ps in zip(names, forward_ms, backward_ms, options, parts)),
         plain_step_ms=base.plain_step_ms, plain_peak=0, turn_peak=base.turn_peak,
         forward_after_ms=base.forward_after_ms, backward_before_ms=base.backward_before_ms,
         outside_peak=base.outside_peak,
         d2h_gbps=d2h, h2d_gbps=h2d, device=device, measured=measured, notes=base.notes,
     )
-    plain_peak = int(runs["keep"].step.peak) if not estimated_keep and cuda else predict(out, ("keep",) * n)[1]
+    plain_peak = int(runs["keep"].step.peak) if not estimated_keep and (cuda or runs["keep"].step.memory) \
+        else predict(out, ("keep",) * n)[1]
     return Profile(blocks=out.blocks, plain_step_ms=out.plain_step_ms, plain_peak=plain_peak,
                    turn_peak=out.turn_peak, forward_after_ms=out.forward_after_ms,
                    backward_before_ms=out.backward_before_ms, outside_peak=out.outside_peak,

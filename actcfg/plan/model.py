@@ -39,6 +39,11 @@ class Choice:
     """True when the rule sets `cpu_checkpointing`: what the block keeps goes to the host."""
     counterpart: str | None = None
     """An offload choice's on-device twin: the same recompute, without the copies."""
+    parts: bool = False
+    """True when the rule names the block's parts (`checkpoint.submodules`) instead of the
+    block: each part is checkpointed on its own, and what the block saves outside its parts
+    stays saved. In backward only one part is recomputed at a time, so the block's recompute
+    peaks at its largest part, not at the whole block."""
 
     def rule(self, modules: tuple[str, ...]) -> Any:
         """This choice as a `checkpoint.mode: rules` rule over `modules` (fnmatch patterns)."""
@@ -52,6 +57,7 @@ class Choice:
 CHOICE_TABLE: tuple[Choice, ...] = (
     Choice("keep", "none"),
     Choice("selective", "selective"),
+    Choice("split", "full", parts=True),
     Choice("full", "full"),
     Choice("full_offload", "full", offload=True, counterpart="full"),
     Choice("offload", "none", offload=True, counterpart="keep"),
@@ -107,6 +113,14 @@ class BlockProfile:
     backward_ms: float
     options: dict[str, Option]
     """The choices measured for this block (offload ones only where offloading can run)."""
+    parts: tuple[str, ...] = ()
+    """Qualified names of the block's parts (`checkpoint.submodules`), in module order; empty
+    when the block is planned whole (then it has no `split` option)."""
+
+    def taken(self, choice: str) -> tuple[str, ...]:
+        """The modules the rule of `choice` takes for this block: its parts for a choice on
+        parts, else the block itself."""
+        return self.parts if CHOICE_OF[choice].parts else (self.name,)
 
 
 @dataclass(frozen=True)
@@ -182,7 +196,7 @@ class Profile:
         """The profile `to_json` wrote."""
         blocks = tuple(
             BlockProfile(b["name"], b["forward_ms"], b["backward_ms"],
-                         {c: Option(**o) for c, o in b["options"].items()})
+                         {c: Option(**o) for c, o in b["options"].items()}, tuple(b.get("parts", ())))
             for b in data["blocks"])
         rest = {k: v for k, v in data.items() if k != "blocks"}
         rest["notes"] = tuple(rest.get("notes", ()))

@@ -3,7 +3,8 @@
 Forward and backward hooks on each candidate block record CUDA events and `torch.cuda` memory
 statistics at its boundaries (its forward; its backward, from the gradient of its output to the
 gradient of its input; the turn between the last forward and the first backward); on the CPU,
-wall-clock times and no memory. Also the copy bandwidth each way, pinned.
+wall-clock times and the bytes of live tensor storages (`LiveBytes`). Also the copy bandwidth
+each way, pinned.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from actcfg.errors import PlanError
 
-__all__ = ["Meter", "Probe", "StepReading", "copy_bandwidth", "first_grad_tensor"]
+__all__ = ["LiveBytes", "Meter", "Probe", "StepReading", "copy_bandwidth", "first_grad_tensor"]
 
 
 def first_grad_tensor(value: Any) -> torch.Tensor | None:
@@ -34,14 +35,80 @@ def first_grad_tensor(value: Any) -> torch.Tensor | None:
 # --- clocks and memory: CUDA events and allocator statistics, or wall-clock on the CPU ----------
 
 
+class LiveBytes:
+    """The CPU's stand-in for the CUDA allocator's statistics: bytes of the tensor storages ops
+    create while it is started, each counted until it is freed (its weak reference expires).
+    Frees are seen at the next op, so a peak is read where an allocator's would be: after an
+    op's outputs exist, before its inputs can go. Storages made before `start` are not counted
+    (as `memory_allocated() - base` leaves them out)."""
+
+    def __init__(self) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        meter = self
+
+        class _Count(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                out = func(*args, **(kwargs or {}))
+                live = meter._live
+                swept = False
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                        storage = t.untyped_storage()
+                        key = storage.data_ptr()
+                        known = live.get(key)
+                        if known is not None and not meter._expired(known[0].cdata):
+                            continue  # a view, or an op that wrote in place: nothing new
+                        if not swept:  # frees matter only when something new is counted
+                            meter._sweep()
+                            swept = True
+                        if storage.nbytes():
+                            live[key] = (StorageWeakRef(storage), storage.nbytes())
+                            meter.now += storage.nbytes()
+                meter.peak = max(meter.peak, meter.now)
+                return out
+
+        self._expired = torch.UntypedStorage._expired  # type: ignore[attr-defined]
+        self._mode: TorchDispatchMode | None = None
+        self._make = _Count
+        self._live: dict[int, tuple[Any, int]] = {}
+        self.now = 0
+        self.peak = 0
+
+    def _sweep(self) -> None:
+        expired = self._expired
+        for key in [k for k, (ref, _) in self._live.items() if expired(ref.cdata)]:
+            self.now -= self._live.pop(key)[1]
+
+    def start(self) -> None:
+        self.stop()
+        self._live.clear()
+        self.now = self.peak = 0
+        self._mode = self._make()
+        self._mode.__enter__()
+
+    def stop(self) -> None:
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+
+
 class Meter:
     """Times and memory of one device: CUDA events and `torch.cuda` statistics, or, on the CPU,
-    wall-clock times and no memory (every reading 0)."""
+    wall-clock times and the bytes `LiveBytes` counts (every reading 0 with `count=False`:
+    the host loopback's "host" copies are CPU tensors too, and would count as device memory)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, count: bool = True) -> None:
         self.cuda = device.type == "cuda"
+        self.live = LiveBytes() if not self.cuda and count else None
         self.base = 0
         self.step_peak = 0
+
+    @property
+    def memory(self) -> bool:
+        """True when the readings are memory (CUDA, or counted on the CPU)."""
+        return self.cuda or self.live is not None
 
     def tick(self) -> Any:
         if self.cuda:
@@ -62,23 +129,38 @@ class Meter:
             torch.cuda.synchronize()
             self.base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
+        elif self.live is not None:
+            self.live.start()
         self.step_peak = 0
 
     def now(self) -> int:
-        return torch.cuda.memory_allocated() - self.base if self.cuda else 0
+        if self.cuda:
+            return torch.cuda.memory_allocated() - self.base
+        if self.live is None:
+            return 0
+        self.live._sweep()
+        return self.live.now
 
     def peak_and_reset(self) -> int:
         """The peak since the last reset (above the step's start); starts a new span."""
-        if not self.cuda:
+        if self.cuda:
+            peak = torch.cuda.max_memory_allocated() - self.base
+            torch.cuda.reset_peak_memory_stats()
+        elif self.live is not None:
+            peak = self.live.peak
+            self.live._sweep()
+            self.live.peak = self.live.now
+        else:
             return 0
-        peak = torch.cuda.max_memory_allocated() - self.base
         self.step_peak = max(self.step_peak, peak)
-        torch.cuda.reset_peak_memory_stats()
         return peak
 
     def end(self) -> None:
+        """The step's end; safe to call twice (callers call it in `finally`)."""
         if self.cuda:
             torch.cuda.synchronize()
+        elif self.live is not None:
+            self.live.stop()
 
 
 @dataclass
@@ -96,6 +178,8 @@ class StepReading:
     outside_peak: int = 0
     forward_after_ms: float = 0.0
     backward_before_ms: float = 0.0
+    memory: bool = False
+    """True when the peaks are readings (CUDA, or counted on the CPU), not zeros."""
 
 
 class Probe:
@@ -220,10 +304,10 @@ class Probe:
                 self._end(self.open)
             done = meter.tick()
             tail = meter.peak_and_reset()  # after the last backward mark: the rest of backward
+            del output, loss
         finally:
             self.recording = False
-        del output, loss
-        meter.end()
+            meter.end()
         self.marks.clear()
         missing = [i for i in range(self.n) if self.fwd_start[i] is None or self.bwd_start[i] is None]
         if missing:
@@ -243,6 +327,7 @@ class Probe:
             outside_peak=max(self.head_peak, tail),
             forward_after_ms=meter.ms(self.fwd_end[last], after),
             backward_before_ms=meter.ms(backward, self.bwd_start[last]),
+            memory=meter.memory,
         )
 
 

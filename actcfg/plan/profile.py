@@ -1,11 +1,11 @@
 """Profile one training step per candidate block under each choice, on the real model.
 
-For each choice (keep, selective, full, full + offload, offload) the candidates get that choice
-uniformly, through `actcfg.apply` with a `checkpoint.mode: rules` policy (removed after), and a
-few steps run under a probe: forward and backward hooks on each candidate record CUDA events
-and `torch.cuda` memory statistics at its boundaries (its forward; its backward, from the
-gradient of its output to the gradient of its input; the turn between the last forward and the
-first backward). What each block keeps is counted with saved-tensor hooks (storages saved inside
+For each choice (keep, selective, split into parts, full, full + offload, offload) the
+candidates get that choice uniformly, through `actcfg.apply` with a `checkpoint.mode: rules`
+policy (removed after), and a few steps run under a probe: forward and backward hooks on each
+candidate record CUDA events and `torch.cuda` memory statistics at its boundaries (its forward;
+its backward, from the gradient of its output to the gradient of its input; the turn between the
+last forward and the first backward). What each block keeps is counted with saved-tensor hooks (storages saved inside
 its forward; for selective, also the outputs of its saved ops) and, for offload choices, with the
 offload engine's own per-group counts. Copy bandwidth each way is measured pinned. Everything
 is put back after: gradients, buffers, training mode and RNG state.
@@ -19,9 +19,10 @@ graphs are built; the time that takes is reported apart (`Profile.compile_ms`), 
 which dynamo built no graph is refused.
 
 On the CPU (tests, or `apply` of a CPU model) the same runs happen, timed with wall-clock hooks;
-memory is not measured there, and its peaks are estimated from the counted bytes (see
-`Profile.notes`). Offload choices are profiled only where offloading runs (CUDA, or the host
-loopback).
+memory is the bytes of live tensor storages (`actcfg.plan.probe.LiveBytes`), except for offload
+choices, whose "host" copies are CPU tensors there: their peaks are estimated from the counted
+bytes (see `Profile.notes`). Offload choices are profiled only where offloading runs (CUDA, or
+the host loopback).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from actcfg.runtime.wrap import select_modules
 from actcfg.errors import ActcfgError, PlanError
 from actcfg.runtime.offload import OffloadWarning, loopback_enabled
 from actcfg.plan.cost import Run, assemble
+from actcfg.plan.parts import find_parts
 from actcfg.plan.model import CHOICE_OF, CHOICES, OFFLOADS, Profile
 from actcfg.plan.probe import Meter, Probe, copy_bandwidth
 from actcfg.plan.saved import saved_bytes
@@ -157,10 +159,12 @@ def _compiling(spent: list[float], compiled: bool) -> Iterator[None]:
 def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], choice: str,
          args: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor],
          apply: Apply, meter: Meter, steps: int, pin: bool,
-         pin_budget: int | None, compile: Compile | None = None,
+         pin_budget: int | None, taken: Sequence[str], compile: Compile | None = None,
          spent: list[float] | None = None) -> Run:
+    # `taken`: the modules the choice's rule names (the blocks, or their parts for `split`);
+    # the probe and the byte counts stay on the blocks either way.
     handle = None if choice == "keep" and compile is None else \
-        apply(model, _uniform(names, choice, pin, pin_budget, compile))
+        apply(model, _uniform(taken, choice, pin, pin_budget, compile))
     probe = Probe(modules, meter)
     spent = [] if spent is None else spent
     compiled = compile is not None
@@ -181,7 +185,7 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
             spent.append(_settle(lambda: measure_steps(model, kwargs if kwargs else tuple(args),
                                                        loss_fn=loss_fn, steps=1)))
         unprobed, _ = measure_steps(model, kwargs if kwargs else tuple(args), loss_fn=loss_fn,
-                                    steps=steps)
+                                    steps=steps, count=meter.memory)
         moved = [0] * len(names)
         if handle is not None and handle.engine is not None:
             by_name = {}
@@ -216,10 +220,13 @@ def profile(
     steps: int = 2,
     choices: Sequence[str] | None = None,
     compile: Compile | None = None,
+    submodules: str | Sequence[str] = "none",
 ) -> Profile:
     """Profile one training step of `model` on `inputs` per candidate (`modules`: fnmatch
-    patterns) under each choice; `apply` applies a concrete policy (`actcfg.api` passes it). Everything the runs change
-    is put back; PlanError when a candidate is never called or the plain step cannot be run.
+    patterns) under each choice; `apply` applies a concrete policy (`actcfg.api` passes it).
+    `submodules` (`checkpoint.submodules`) names each candidate's parts, which add the `split`
+    choice: the parts checkpointed one by one. Everything the runs change is put back;
+    PlanError when a candidate is never called or the plain step cannot be run.
 
     With `compile` every run is compiled as the plan will be (`apply` compiles each uniform
     policy, keep included), and the time spent compiling is kept apart (`Profile.compile_ms`)."""
@@ -228,12 +235,18 @@ def profile(
     compiled = compile is not None
     graphs = _graphs_built()
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
-    meter = Meter(device)
     can_offload = device.type == "cuda" or (device.type == "cpu" and loopback_enabled())
     wanted = tuple(c for c in (choices or CHOICES) if can_offload or c not in OFFLOADS)
     selected = select_modules(model, tuple(modules), 1)
     names = [n for n, _ in selected]
     blocks = [m for _, m in selected]
+    parts = find_parts(selected, submodules)
+    part_names = [tuple(n for n, _ in ps) for ps in parts]
+    if not any(part_names):
+        wanted = tuple(c for c in wanted if not CHOICE_OF[c].parts)
+
+    def taken(choice: str) -> list[str]:
+        return [n for ps in part_names for n in ps] if CHOICE_OF[choice].parts else names
     args, kwargs = _split(inputs)
     loss = loss_fn or default_loss
     notes: list[str] = []
@@ -255,9 +268,9 @@ def profile(
                     "the model's forward alone does not fit in GPU memory without a policy, so the "
                     "profile cannot count what each candidate keeps; profile it with a smaller "
                     "batch (the plan's choices scale with it), or on a GPU with more memory")
-            for choice in ("full", "selective"):
+            for choice in ("full", "selective", "split"):
                 if choice in wanted:
-                    handle = apply(model, _uniform(names, choice, pin, pin_budget, compile))
+                    handle = apply(model, _uniform(taken(choice), choice, pin, pin_budget, compile))
                     try:
                         with _compiling(spent, compiled):
                             held[choice] = saved_bytes(model, blocks, args, kwargs)
@@ -270,8 +283,12 @@ def profile(
                 held["selective"] = [s + o for s, o in zip(held["selective"], outputs)]
             for choice in wanted:
                 try:
+                    # On the CPU an offload's "host" copies are CPU tensors: its bytes are
+                    # counted by the engine, not by the meter (see `Meter`).
+                    meter = Meter(device, count=not CHOICE_OF[choice].offload)
                     runs[choice] = _run(model, blocks, names, choice, args, kwargs, loss, apply,
-                                        meter, steps, pin, pin_budget, compile, spent)
+                                        meter, steps, pin, pin_budget, taken(choice), compile,
+                                        spent)
                 except torch.cuda.OutOfMemoryError:
                     notes.append(f"{choice}: out of GPU memory in its uniform run; "
                                  + ("estimated from full" if choice == "keep" else "not a choice"))
@@ -297,7 +314,7 @@ def profile(
             "under torch.compile, and torch.compile built no graph in it (dynamo ran the model "
             "eagerly): the plan would say nothing about the compiled run; run with "
             "TORCH_LOGS=recompiles,graph_breaks to see why, or remove `compile`")
-    profiled = assemble(names, held, runs, device.type, d2h, h2d, notes)
+    profiled = assemble(names, held, runs, device.type, d2h, h2d, notes, parts=part_names)
     compile_ms = sum(spent)
     total_ms = (time.perf_counter() - started) * 1000.0
     return dataclasses.replace(
@@ -320,11 +337,12 @@ def _trial(model: nn.Module, names: Sequence[str], compile: Compile | None, pin:
 
 
 def measure_steps(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                  steps: int = 3) -> tuple[float, int]:
+                  steps: int = 3, count: bool = True) -> tuple[float, int]:
     """(median step ms, peak bytes of the last step above its start) of `steps` training steps
-    after one warm-up, as the profile measures them (gradients set to None before each)."""
+    after one warm-up, as the profile measures them (gradients set to None before each; on the
+    CPU the bytes `LiveBytes` counts, or 0 with `count=False`)."""
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
-    meter = Meter(device)
+    meter = Meter(device, count=count)
     args, kwargs = _split(inputs)
     loss = loss_fn or default_loss
     times = []
@@ -332,14 +350,16 @@ def measure_steps(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], tor
     for i in range(steps + 1):
         model.zero_grad(set_to_none=True)
         meter.begin()
-        start = meter.tick()
-        output = model(*args, **kwargs)
-        value = loss(output)
-        value.backward()
-        end = meter.tick()
-        del output, value
-        meter.peak_and_reset()
-        meter.end()
+        try:
+            start = meter.tick()
+            output = model(*args, **kwargs)
+            value = loss(output)
+            value.backward()
+            end = meter.tick()
+            del output, value
+            meter.peak_and_reset()
+        finally:
+            meter.end()
         if i:
             times.append(meter.ms(start, end))
             peak = meter.step_peak

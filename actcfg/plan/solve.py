@@ -1,5 +1,6 @@
-"""Choose per block among keep / selective / full / full + offload / offload: the least predicted
-step time whose predicted peak stays within the budget. Pure: plain numbers in, a plan out.
+"""Choose per block among keep / selective / split (its parts checkpointed one by one) / full /
+full + offload / offload: the least predicted step time whose predicted peak stays within the
+budget. Pure: plain numbers in, a plan out.
 
 The model, for blocks 0..n-1 in forward order with choices c (S_b: bytes blocks 0..b-1 hold,
 the sum of their `held`; M_b: bytes block b copies each way; d_b, h_b: those copies' times):
@@ -37,7 +38,7 @@ from actcfg.errors import PlanError
 from actcfg.plan.model import OFFLOADS, Profile
 from actcfg.runtime.reports import PlanReport, memory_size
 
-__all__ = ["MAX_FRONT", "Plan", "predict", "smallest_peak", "solve", "uniform_copies"]
+__all__ = ["MAX_FRONT", "Plan", "lowest_plan", "predict", "smallest_peak", "solve", "uniform_copies"]
 
 MAX_FRONT = 2048
 """Most entries one state of the dynamic program keeps (see the module docstring)."""
@@ -55,6 +56,13 @@ class Plan:
     peak: int
     """Predicted peak bytes (at most `budget`)."""
     budget: int
+    taken: tuple[tuple[str, ...], ...] = ()
+    """Per block, the modules its rule takes: the block, or its parts for `split` (empty: every
+    block itself, as in a plan over whole blocks)."""
+
+    def modules(self) -> tuple[str, ...]:
+        """Every module the plan's rules take, in block order."""
+        return tuple(n for named in (self.taken or tuple((b,) for b in self.blocks)) for n in named)
 
     @property
     def kept_at_turn(self) -> int:
@@ -265,29 +273,50 @@ def _fastest(profile: Profile, budget: int, max_inflight: int,
     return best[0], best[1], tuple(reversed(picked))
 
 
-def smallest_peak(profile: Profile, max_inflight: int = 1) -> int:
-    """The smallest peak the model predicts for any choices (Pareto front of held bytes and
-    peak so far, per state of the last two choices)."""
+def lowest_plan(profile: Profile, max_inflight: int = 1) -> tuple[int, tuple[str, ...]]:
+    """(the smallest peak the model predicts for any choices, the choices that reach it): a
+    Pareto front of held bytes and peak so far, per state of the last two choices."""
     t = _Terms(profile, max_inflight)
     choices = profile.choices()
-    fronts: dict[tuple[str | None, str | None], list[tuple[int, int]]] = {(None, None): [(0, 0)]}
+    # entry: (held so far, peak so far, choices so far)
+    fronts: dict[tuple[str | None, str | None], list[tuple[int, int, tuple[str, ...]]]] = {
+        (None, None): [(0, 0, ())]}
     for b in range(t.n):
-        new: dict[tuple[str | None, str | None], list[tuple[int, int]]] = {}
+        new: dict[tuple[str | None, str | None], list[tuple[int, int, tuple[str, ...]]]] = {}
         for (p2, p1), entries in fronts.items():
             for c in choices:
                 need, held = t.need(b, p2, p1, c), t.opt(b, c).held
-                new.setdefault((p1, c), []).extend((s + held, max(pk, s + need)) for s, pk in entries)
+                new.setdefault((p1, c), []).extend((s + held, max(pk, s + need), cs + (c,))
+                                                   for s, pk, cs in entries)
         fronts = {}
         for k, v in new.items():
-            v.sort()
+            v.sort(key=lambda e: (e[0], e[1]))
             front, best = [], math.inf
-            for s, pk in v:
-                if pk < best:
-                    front.append((s, pk))
-                    best = pk
+            for e in v:
+                if e[1] < best:
+                    front.append(e)
+                    best = e[1]
             fronts[k] = front
-    return max(profile.outside_peak,
-               min(max(pk, s + t.turn(p2, p1)) for (p2, p1), v in fronts.items() for s, pk in v))
+    peak, picked = min(((max(pk, s + t.turn(p2, p1)), cs)
+                        for (p2, p1), v in fronts.items() for s, pk, cs in v), key=lambda e: e[0])
+    return max(profile.outside_peak, peak), picked
+
+
+def smallest_peak(profile: Profile, max_inflight: int = 1) -> int:
+    """The smallest peak the model predicts for any choices (see `lowest_plan`)."""
+    return lowest_plan(profile, max_inflight)[0]
+
+
+def _said(blocks: tuple[str, ...], choices: tuple[str, ...]) -> str:
+    """`choices` per block in few words: `split on blocks.0; full on 7 modules (blocks.1, ...)`."""
+    by: dict[str, list[str]] = {}
+    for name, c in zip(blocks, choices):
+        by.setdefault(c, []).append(name)
+    said = []
+    for c, names in by.items():
+        where = ", ".join(names) if len(names) <= 3 else f"{len(names)} modules ({names[0]}, ...)"
+        said.append(f"{c} on {where}")
+    return "; ".join(said)
 
 
 def solve(profile: Profile, budget: int, *, max_inflight: tuple[int, ...] = (1, 2)) -> Plan:
@@ -304,12 +333,16 @@ def solve(profile: Profile, budget: int, *, max_inflight: tuple[int, ...] = (1, 
         if got is not None and (found is None or (got[0], got[1], m) < found[:3]):
             found = (got[0], got[1], m, got[2])
     if found is None:
-        lowest = min(smallest_peak(profile, m) for m in tries)
+        lowest, reached = min((lowest_plan(profile, m) for m in tries), key=lambda e: e[0])
+        names = tuple(b.name for b in profile.blocks)
+        finer = "" if "split" in choices else " or their parts, `checkpoint.submodules`"
         raise PlanError(
             f"no plan fits memory_budget {memory_size(budget)}: the smallest peak any choice of "
             f"{', '.join(choices)} per module reaches is {memory_size(lowest)} (plain: "
-            f"{memory_size(profile.plain_peak)}). Raise memory_budget to at least {memory_size(lowest)}, or plan "
-            "over more or finer modules (`checkpoint.modules`)", smallest_peak=lowest)
+            f"{memory_size(profile.plain_peak)}), with {_said(names, reached)}. Raise memory_budget "
+            f"to at least {memory_size(lowest)}, or plan over more or finer modules "
+            f"(`checkpoint.modules`{finer})", smallest_peak=lowest)
     _, _, m, picked = found
     step, peak = predict(profile, picked, m)
-    return Plan(tuple(b.name for b in profile.blocks), picked, m, step, peak, budget)
+    return Plan(tuple(b.name for b in profile.blocks), picked, m, step, peak, budget,
+                tuple(b.taken(c) for b, c in zip(profile.blocks, picked)))

@@ -42,7 +42,8 @@ def plan_policy(plan: Plan, source: Any) -> Policy:
     the settings of the `mode: auto` policy it was planned for (`source`: backend; pin and the
     pin budgets where a rule offloads).
 
-    One rule per choice, in the order the choices first appear. Blocks that keep everything get
+    One rule per choice, in the order the choices first appear; a block planned `split` is
+    named by its parts (each checkpointed on its own). Blocks that keep everything get
     a `mode: none` rule too, so every candidate is named and the offload engine starts each
     reload one block ahead. `keep_last` and `max_inflight` are set when a rule offloads: the
     plan's choices are explicit, so `keep_last` is 0 (the blocks it keeps at the turn are
@@ -50,8 +51,9 @@ def plan_policy(plan: Plan, source: Any) -> Policy:
     written file loads back to this policy, explicitly set fields included.
     """
     members: dict[str, list[str]] = {}
-    for name, choice in zip(plan.blocks, plan.choices):
-        members.setdefault(choice, []).append(exact_pattern(name))
+    taken = plan.taken or tuple((b,) for b in plan.blocks)
+    for named, choice in zip(taken, plan.choices):
+        members.setdefault(choice, []).extend(exact_pattern(n) for n in named)
     rules = tuple(CHOICE_OF[c].rule(tuple(names)) for c, names in members.items())
     offloads = any(CHOICE_OF[c].offload for c in plan.choices)
     schedule: dict[str, Any] = {"keep_last": 0, "max_inflight": plan.max_inflight} if offloads else {}

@@ -22,6 +22,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    Tag,
     StrictBool,
     StrictInt,
     StrictStr,
@@ -189,6 +190,33 @@ OpName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_]
 ModulePattern = Annotated[StrictStr, Field(min_length=1)]
 
 
+def _relative_pattern(value: str) -> str:
+    # A submodule pattern is matched against names relative to a block (`mlp`, `attn.*`):
+    # an empty segment or an unclosed `[` can match nothing, and would only fail at plan time.
+    if not value.strip() or value != value.strip():
+        raise PydanticCustomError("relative_pattern", "a submodule pattern is empty or has spaces "
+                                  "around it; write a name relative to the block, such as `mlp`")
+    if value.startswith(".") or value.endswith(".") or ".." in value:
+        raise PydanticCustomError(
+            "relative_pattern", "'{value}' has an empty name segment: a submodule pattern is a "
+            "dotted name relative to the block (`mlp`, `self_attn`, `attn.*`), with no leading, "
+            "trailing or doubled dot", {"value": value})
+    if value.count("[") != value.count("]"):
+        raise PydanticCustomError(
+            "relative_pattern", "'{value}' has an unclosed `[`: in an fnmatch pattern `[...]` is a "
+            "set of characters; write `[[]` for a literal `[`", {"value": value})
+    return value
+
+
+SubmodulePattern = Annotated[StrictStr, AfterValidator(_relative_pattern)]
+# A word or a list, told apart before validating: a plain union reported both branches' errors.
+Submodules = Annotated[
+    Union[Annotated[Literal["none", "children"], Tag("word")],
+          Annotated[tuple[SubmodulePattern, ...], Field(min_length=1), Tag("patterns")]],
+    Discriminator(lambda v: "word" if isinstance(v, str) else "patterns"),
+]
+
+
 class _Strict(BaseModel):
     """Shared strictness: unknown keys are errors, values are frozen, defaults validated.
 
@@ -314,6 +342,14 @@ class AutoCheckpoint(_Strict):
     modules: tuple[ModulePattern, ...] = Field(min_length=1, description=_DOC["AutoCheckpoint.modules"])
     """The candidate modules the plan chooses for (the model's blocks, such as `[Block]`): fnmatch
     patterns on class names and qualified names; each keeps, checkpoints or offloads as planned."""
+
+    submodules: Submodules = Field(
+        "none", description=_DOC["AutoCheckpoint.submodules"])
+    """Finer candidates: the parts of each candidate module the plan may checkpoint one by one
+    instead of the whole module (a block's recompute then peaks at its largest part, not the
+    whole block). `none`: whole modules only; `children`: each module's direct children that hold
+    parameters (a Llama layer's `self_attn`, `mlp` and norms); or fnmatch patterns on names
+    relative to the module or class names (`[self_attn, mlp]`, `[LlamaMLP]`)."""
 
 
 class Compile(_Strict):
@@ -591,8 +627,9 @@ class Policy(_Strict):
 
 
 def user_path(loc: tuple[str | int, ...], data: Any) -> tuple[str | int, ...]:
-    """A Pydantic error location as the user wrote it: the union tag (`full` in
-    `('checkpoint', 'full', 'modules')`) is not a key of the file, so it is dropped."""
+    """A Pydantic error location as the user wrote it: the union tags (`full` in
+    `('checkpoint', 'full', 'modules')`, `patterns` under `submodules`) are not keys of the
+    file, so they are dropped."""
     if (
         len(loc) >= 2
         and loc[0] == "checkpoint"
@@ -601,8 +638,13 @@ def user_path(loc: tuple[str | int, ...], data: Any) -> tuple[str | int, ...]:
         and isinstance(data.get("checkpoint"), dict)
         and data["checkpoint"].get("mode") == loc[1]
     ):
-        return (loc[0], *loc[2:])
+        loc = (loc[0], *loc[2:])
+    if loc[:2] == ("checkpoint", "submodules") and len(loc) >= 3 and loc[2] in _SUBMODULES_TAGS:
+        loc = (*loc[:2], *loc[3:])  # the word-or-list tag of `checkpoint.submodules`, likewise
     return loc
+
+
+_SUBMODULES_TAGS = ("word", "patterns")
 
 
 def policy_json_schema() -> dict[str, Any]:

@@ -157,13 +157,17 @@ class PlanRequest:
     """Candidate modules: fnmatch patterns."""
     memory_budget: int
     """Most GPU memory one step may allocate above its start, in bytes."""
+    submodules: str | tuple[str, ...] = "none"
+    """Each candidate's parts the plan may checkpoint one by one: `none`, `children`, or
+    patterns relative to the candidate (`checkpoint.submodules`)."""
     planner: str = PLANNER
     """What plans."""
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able form, keys in a stable order."""
+        parts = self.submodules if isinstance(self.submodules, str) else list(self.submodules)
         return {"planner": self.planner, "modules": list(self.modules),
-                "memory_budget": self.memory_budget}
+                "memory_budget": self.memory_budget, "submodules": parts}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -259,7 +263,8 @@ def to_torch_native(policy: Policy) -> WrapPlan:
     if mode == "auto":
         # What the plan offloads is decided by the planner; its rules carry pin and pin_budget.
         return WrapPlan(checkpoint=PlanRequest(modules=tuple(dest["checkpoint.modules"]),
-                                               memory_budget=dest["checkpoint.memory_budget"]),
+                                               memory_budget=dest["checkpoint.memory_budget"],
+                                               submodules=dest["checkpoint.submodules"]),
                         offload=None, compile=compiled)
     checkpoint: CheckpointPlan | ExternalCheckpointPlan | RulesPlan | PlanRequest | None = None
     if mode == "external":

@@ -42,8 +42,8 @@ from actcfg.probes import BlockStack  # noqa: E402
 from _helpers import tiny_llama  # noqa: E402
 
 STEPS = 3
-HF_AUTO = "version: 1\ncheckpoint: {mode: auto, modules: [LlamaDecoderLayer]}\nmemory_budget: 400KiB\n"
-PL_AUTO = "version: 1\ncheckpoint: {mode: auto, modules: [Block]}\nmemory_budget: 150KiB\n"
+HF_AUTO = "version: 1\ncheckpoint: {mode: auto, modules: [LlamaDecoderLayer]}\nmemory_budget: 600KiB\n"
+PL_AUTO = "version: 1\ncheckpoint: {mode: auto, modules: [Block]}\nmemory_budget: 250KiB\n"
 
 pytestmark = [
     pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning"),
@@ -182,7 +182,7 @@ def test_hf_plan_file_refusals_before_training(tmp_path):
     trainer = Trainer(model=dropout_llama(), args=hf_arguments(tmp_path / "out"), train_dataset=Tokens(),
                       callbacks=[ActivationPolicyCallback(HF_AUTO, plan_file=big)])
     with pytest.raises(PolicyApplyError, match=re.escape(
-            f"{big} predicts a peak of 4MiB, above this policy's memory_budget 400KiB: it was "
+            f"{big} predicts a peak of 4MiB, above this policy's memory_budget 600KiB: it was "
             "planned for a larger budget")):
         trainer.train()
 

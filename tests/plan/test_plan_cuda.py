@@ -44,7 +44,8 @@ def profiled():
 
 def test_every_uniform_choice_predicts_what_it_measured(profiled):
     _, _, prof = profiled
-    assert prof.device == "cuda" and prof.choices() == CHOICES, prof.notes
+    # every choice but split, which needs `checkpoint.submodules` (tests/plan/test_plan_parts.py)
+    assert prof.device == "cuda" and prof.choices() == tuple(c for c in CHOICES if c != "split"), prof.notes
     assert prof.d2h_gbps > 1 and prof.h2d_gbps > 1
     for c in prof.choices():
         _, peak = predict(prof, (c,) * len(prof.blocks))

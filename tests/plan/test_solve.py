@@ -61,8 +61,9 @@ def test_exact_choices_on_a_hand_checkable_stack(budget, choices, peak, extra):
 def test_no_plan_fits_says_so_with_the_smallest_peak():
     # Sizes in a unit that shows them: this read "0.0 MiB ... raise to at least 0.0 MiB" (issue 20).
     with pytest.raises(PlanError, match=r"^no plan fits memory_budget 13 B: the smallest peak any choice "
-                       r"of keep, full per module reaches is 14 B \(plain: 0 B\)\. Raise memory_budget "
-                       r"to at least 14 B, or plan over more or finer modules \(`checkpoint\.modules`\)$") as info:
+                       r"of keep, full per module reaches is 14 B \(plain: 0 B\), with full on blocks\.0, "
+                       r"blocks\.1, blocks\.2\. Raise memory_budget to at least 14 B, or plan over more or "
+                       r"finer modules \(`checkpoint\.modules` or their parts, `checkpoint\.submodules`\)$") as info:
         solve(HAND, 13)
     assert info.value.smallest_peak == 14 == smallest_peak(HAND)
 
@@ -97,7 +98,7 @@ def _random_profile(seed: int, n: int) -> Profile:
 def test_the_dynamic_program_finds_the_same_optimum_as_trying_every_plan(seed):
     profile = _random_profile(seed, 4)
     plans = [(predict(profile, cs, m), cs, m)
-             for cs in itertools.product(CHOICES, repeat=4) for m in (1, 2)]
+             for cs in itertools.product(profile.choices(), repeat=4) for m in (1, 2)]
     lo = min(peak for (_, peak), _, _ in plans)
     hi = max(peak for (_, peak), _, _ in plans)
     for budget in (lo, (lo + hi) // 2, hi):
@@ -275,11 +276,12 @@ def test_every_choice_is_one_row_of_the_table():
     """Names, offloads, twins and rules all come from CHOICE_TABLE."""
     from actcfg.plan.model import CHOICE_TABLE
 
-    assert CHOICES == ("keep", "selective", "full", "full_offload", "offload")
+    assert CHOICES == ("keep", "selective", "split", "full", "full_offload", "offload")
     assert OFFLOADS == {"full_offload", "offload"} and COUNTERPART == {"full_offload": "full", "offload": "keep"}
     rules = {c.name: c.rule(("m",)) for c in CHOICE_TABLE}
     assert {n: (r.mode, r.cpu_checkpointing) for n, r in rules.items()} == {
-        "keep": ("none", False), "selective": ("selective", False), "full": ("full", False),
+        "keep": ("none", False), "selective": ("selective", False), "split": ("full", False),
+        "full": ("full", False),
         "full_offload": ("full", True), "offload": ("none", True)}
 
 

@@ -205,7 +205,12 @@ def test_rules_that_never_offload_need_no_engine_and_auto_is_a_plan_request() ->
     plan = PLANS["torch-auto"]
     assert plan == WrapPlan(checkpoint=PlanRequest(modules=("Block",), memory_budget=6 * 2**30), offload=None)
     assert plan.to_json() == {"checkpoint": {"planner": "actcfg.plan", "modules": ["Block"],
-                                             "memory_budget": 6 * 2**30}, "offload": None}
+                                             "memory_budget": 6 * 2**30, "submodules": "none"},
+                              "offload": None}
+    parts = to_torch_native(Policy.model_validate(
+        {"version": 1, "checkpoint": {"mode": "auto", "modules": ["Block"], "submodules": ["mlp", "attn"]},
+         "memory_budget": "1GiB"})).checkpoint
+    assert parts.submodules == ("mlp", "attn") and parts.to_json()["submodules"] == ["mlp", "attn"]
 
 
 # --- goldens -------------------------------------------------------------------------------

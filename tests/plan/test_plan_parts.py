@@ -1,0 +1,222 @@
+"""Finer candidates (`checkpoint.submodules`, actcfg/plan/parts.py): a block planned as its parts,
+each checkpointed on its own. On the CPU, with memory counted by `LiveBytes` (the same meter the
+profile reads): a budget below the checkpoint-every-block peak is planned with parts, fits as
+measured, and gives the plain gradients; the written plan names the parts exactly and loads back;
+a budget below the floor says the smallest peak and the choices that reach it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from actcfg.api import apply
+from actcfg.errors import PlanError
+from actcfg.plan import Profile, plan_policy, policy_text, predict, smallest_peak, solve
+from actcfg.plan.parts import find_parts
+from actcfg.plan.profile import measure_steps, profile
+from actcfg.policy.checker import load
+from actcfg.policy.schema import Policy
+from _helpers import assert_grads_close, grads_of, tiny_llama
+
+LAYER = "LlamaDecoderLayer"
+PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")  # module order
+
+
+def llama() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """Four layers whose MLP (intermediate 256) outweighs the rest, so that recomputing a whole
+    layer peaks above recomputing its largest part."""
+    model = tiny_llama(4, intermediate_size=256)
+    ids = torch.randint(0, 96, (2, 64), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def source(budget: int) -> Policy:
+    return Policy.model_validate({"version": 1, "checkpoint": {"mode": "auto", "modules": [LAYER],
+                                                               "submodules": "children"},
+                                  "memory_budget": budget})
+
+
+@pytest.fixture(scope="module")
+def profiled():
+    model, inputs = llama()
+    return model, inputs, profile(model, (LAYER,), inputs, apply=apply, submodules="children", steps=1)
+
+
+def test_children_are_the_parts_that_hold_parameters_and_patterns_match_relative_names():
+    model, _ = llama()
+    layers = [(f"model.layers.{i}", m) for i, m in enumerate(model.model.layers)]
+    found = find_parts(layers, "children")
+    assert [tuple(n for n, _ in ps) for ps in found] == [
+        tuple(f"model.layers.{i}.{p}" for p in PARTS) for i in range(4)]
+    by_pattern = find_parts(layers[:1], ("mlp", "LlamaAttention"))  # a relative name, a class name
+    assert [n for n, _ in by_pattern[0]] == ["model.layers.0.self_attn", "model.layers.0.mlp"]
+    assert find_parts(layers, "none") == [(), (), (), ()]
+
+
+def test_a_part_pattern_that_finds_nothing_or_nests_is_refused_naming_the_block():
+    model, _ = llama()
+    layers = [("model.layers.0", model.model.layers[0])]
+    with pytest.raises(PlanError, match=r"^checkpoint\.submodules: candidate model\.layers\.0 "
+                       r"\(LlamaDecoderLayer\) has no submodule matching 'ffn' \(its children: "
+                       r"self_attn, mlp, input_layernorm, post_attention_layernorm\); name parts "
+                       r"every candidate has"):
+        find_parts(layers, ("ffn",))
+    with pytest.raises(PlanError, match=r"^checkpoint\.submodules: in candidate model\.layers\.0, "
+                       r"mlp and mlp\.up_proj both match, one inside the other"):
+        find_parts(layers, ("mlp", "mlp.up_proj"))
+
+
+def test_the_profile_measures_the_split_choice_and_predicts_each_uniform_peak(profiled):
+    model, inputs, prof = profiled
+    assert prof.choices() == ("keep", "selective", "split", "full") and prof.device == "cpu"
+    assert [b.parts for b in prof.blocks] == [
+        tuple(f"model.layers.{i}.{p}" for p in PARTS) for i in range(4)]
+    for b in prof.blocks:  # a split layer keeps its parts' inputs, more than a checkpoint, less than all
+        assert b.options["full"].held < b.options["split"].held < b.options["keep"].held
+        # and its backward recomputes one part at a time
+        assert b.options["split"].backward_peak < b.options["full"].backward_peak
+    n = len(prof.blocks)
+    for c in prof.choices():
+        rules = plan_policy(_uniform(prof, c), source(2**40))
+        with apply(model, rules):
+            _, peak = measure_steps(model, inputs, steps=1)
+        assert predict(prof, (c,) * n)[1] == pytest.approx(peak, rel=0.05), c
+    assert Profile.from_json(prof.to_json()) == prof
+
+
+def _uniform(prof: Profile, choice: str):
+    from actcfg.plan.solve import Plan
+
+    n = len(prof.blocks)
+    step, peak = predict(prof, (choice,) * n)
+    return Plan(tuple(b.name for b in prof.blocks), (choice,) * n, 1, step, peak, 2**40,
+                tuple(b.taken(choice) for b in prof.blocks))
+
+
+def test_below_the_checkpoint_every_layer_peak_a_plan_splits_fits_and_gives_the_plain_gradients(profiled):
+    model, inputs, prof = profiled
+    n = len(prof.blocks)
+    with apply(model, {"version": 1, "checkpoint": {"mode": "full", "modules": [LAYER]}}):
+        _, checkpoint_peak = measure_steps(model, inputs, steps=1)
+    budget = min(checkpoint_peak, predict(prof, ("full",) * n)[1]) - 1
+    plan = solve(prof, budget)
+    assert "split" in plan.choices and plan.peak <= budget
+    plain = copy.deepcopy(model)
+    measure_steps(plain, inputs, steps=1)
+    with apply(model, plan_policy(plan, source(budget))) as handle:
+        # each split layer's parts are checkpointed, the layer itself is not
+        assert set(handle.checkpointed) == {n for n, c in zip(plan.blocks, plan.choices) if c == "full"} | {
+            p for b, c in zip(prof.blocks, plan.choices) if c == "split" for p in b.parts}
+        _, peak = measure_steps(model, inputs, steps=1)
+        got = grads_of(model)
+    assert peak <= budget < checkpoint_peak
+    assert peak == pytest.approx(plan.peak, rel=0.05)
+    assert_grads_close(got, grads_of(plain))
+
+
+def test_the_written_plan_names_the_parts_exactly_and_loads_back(profiled, run_cli, tmp_path):
+    model, inputs, prof = profiled
+    budget = predict(prof, ("full",) * len(prof.blocks))[1] - 1
+    plan = solve(prof, budget)
+    text = policy_text(plan, prof, source(budget))
+    split = [b for b, c in zip(prof.blocks, plan.choices) if c == "split"]
+    assert split
+    for b in split:  # the parts are named, the block is not
+        assert all(p in text for p in b.parts) and f"{b.name}," not in text and f"{b.name}]" not in text
+    path = tmp_path / "plan.yaml"
+    path.write_text(text)
+    assert run_cli("validate", path).code == 0
+    assert load(path) == plan_policy(plan, source(budget))
+    with apply(model, path) as handle:
+        assert sorted(n for r in handle.rules for n in r.modules) == sorted(plan.modules())
+
+
+def test_apply_auto_with_submodules_plans_the_parts(profiled):
+    model, inputs, prof = profiled
+    budget = predict(prof, ("full",) * len(prof.blocks))[1] - 1
+    cfg = {"version": 1, "checkpoint": {"mode": "auto", "modules": [LAYER], "submodules": list(PARTS[:2])},
+           "memory_budget": budget}
+    with apply(model, cfg, inputs=inputs) as handle:
+        choices = dict(handle.plan.choices)
+        assert "split" in choices.values()
+        split = [b for b, c in choices.items() if c == "split"]
+        assert {n for r in handle.rules for n in r.modules} >= {f"{b}.{p}" for b in split for p in PARTS[:2]}
+
+
+def test_below_the_floor_the_error_says_the_smallest_peak_and_the_choices_that_reach_it(profiled):
+    _, _, prof = profiled
+    lowest = smallest_peak(prof)
+    with pytest.raises(PlanError, match=r"^no plan fits memory_budget .*: the smallest peak any choice of "
+                       r"keep, selective, split, full per module reaches is .* \(plain: .*\), with "
+                       r"(split|full) on .*\. Raise memory_budget to at least .*, or plan over more or "
+                       r"finer modules \(`checkpoint\.modules`\)$") as info:
+        solve(prof, lowest - 1)
+    assert info.value.smallest_peak == lowest
+    assert solve(prof, lowest).peak == lowest
+
+
+def test_validate_locates_a_bad_part_pattern(run_cli, tmp_path):
+    path = tmp_path / "auto.yaml"
+    path.write_text("version: 1\ncheckpoint:\n  mode: auto\n  modules: [Block]\n"
+                    "  submodules: [mlp, attn..qkv]\nmemory_budget: 1GiB\n")
+    result = run_cli("validate", path)
+    assert result.code == 1
+    assert result.out == (
+        f"{path}:5:21: error bad-value: `checkpoint.submodules.1`: 'attn..qkv' has an empty name "
+        "segment: a submodule pattern is a dotted name relative to the block (`mlp`, `self_attn`, "
+        "`attn.*`), with no leading, trailing or doubled dot, got 'attn..qkv' (fix the value)\n")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_gpu_below_the_checkpoint_every_layer_peak_a_plan_splits_and_fits():
+    """On the GPU, where checkpointing every layer peaks in layer 0's backward (the parameter
+    gradients piled up, and the whole layer recomputed): a Llama whose MLP outweighs the rest
+    (hidden 512, intermediate 4096, 4 layers, batch 4 x 1024, bf16, a small vocabulary so the
+    logits do not set the peak). The profile predicts each uniform choice within 5%, and a budget
+    below the checkpoint-every-layer peak gets a plan with split layers that fits, with the
+    plain gradients."""
+    from _helpers import assert_grads_within
+
+    model = tiny_llama(4, hidden_size=512, intermediate_size=4096, num_attention_heads=8,
+                       num_key_value_heads=8, max_position_embeddings=1024, vocab_size=512)
+    model = model.to("cuda", torch.bfloat16)
+    ids = torch.randint(0, 512, (4, 1024), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    inputs = {"input_ids": ids, "labels": ids}
+    prof = profile(model, (LAYER,), inputs, apply=apply, submodules="children")
+    assert "split" in prof.choices(), prof.notes
+    n = len(prof.blocks)
+    for c in prof.choices():
+        assert predict(prof, (c,) * n)[1] == pytest.approx(prof.measured[c]["peak"], rel=0.05), c
+    with apply(model, {"version": 1, "checkpoint": {"mode": "full", "modules": [LAYER]}}):
+        _, checkpoint_peak = measure_steps(model, inputs, steps=2)
+    budget = min(checkpoint_peak, predict(prof, ("full",) * n)[1]) - 1
+    plan = solve(prof, budget)
+    assert "split" in plan.choices
+    plain = copy.deepcopy(model)
+    measure_steps(plain, inputs, steps=1)
+    with apply(model, plan_policy(plan, source(budget))):
+        _, peak = measure_steps(model, inputs, steps=2)
+        got = grads_of(model, as_float=True)
+    assert peak <= budget < checkpoint_peak, (plan.choices, peak, budget, checkpoint_peak)
+    assert peak == pytest.approx(plan.peak, rel=0.05)
+    assert_grads_within(got, grads_of(plain, as_float=True), 2e-2)
+
+
+def test_a_plan_file_naming_parts_is_this_models_and_not_another_ones(profiled, tmp_path):
+    """A trainer's plan_file= check: a split layer is named by its parts, and still counts as
+    the candidate it is; the same file is refused for a model without that layer."""
+    from actcfg.errors import PolicyApplyError
+    from actcfg.integrations._planning import check_plan_fits_model
+
+    model, _, prof = profiled
+    budget = predict(prof, ("full",) * len(prof.blocks))[1] - 1
+    planned = plan_policy(solve(prof, budget), source(budget))
+    assert any(c == "split" for c in solve(prof, budget).choices)
+    path = tmp_path / "actcfg-plan.yaml"
+    check_plan_fits_model(model, source(budget), planned, path)  # its own model: accepted
+    smaller = tiny_llama(3, intermediate_size=256)
+    with pytest.raises(PolicyApplyError, match=r"was planned for another model: it names "):
+        check_plan_fits_model(smaller, source(budget), planned, path)
