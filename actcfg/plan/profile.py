@@ -183,7 +183,8 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
         # again, compiled here before the unprobed steps are timed.
         if compiled:
             spent.append(_settle(lambda: measure_steps(model, kwargs if kwargs else tuple(args),
-                                                       loss_fn=loss_fn, steps=1)))
+                                                       loss_fn=loss_fn, steps=1,
+                                                       count=meter.memory)))
         unprobed, _ = measure_steps(model, kwargs if kwargs else tuple(args), loss_fn=loss_fn,
                                     steps=steps, count=meter.memory)
         moved = [0] * len(names)
@@ -284,8 +285,10 @@ def profile(
             for choice in wanted:
                 try:
                     # On the CPU an offload's "host" copies are CPU tensors: its bytes are
-                    # counted by the engine, not by the meter (see `Meter`).
-                    meter = Meter(device, count=not CHOICE_OF[choice].offload)
+                    # counted by the engine, not by the meter (see `Meter`). Compiled graphs run
+                    # below the Python dispatch mode that counts live bytes, so a compiled CPU
+                    # run is estimated from its counted bytes too (CUDA measures either way).
+                    meter = Meter(device, count=not CHOICE_OF[choice].offload and not compiled)
                     runs[choice] = _run(model, blocks, names, choice, args, kwargs, loss, apply,
                                         meter, steps, pin, pin_budget, taken(choice), compile,
                                         spent)

@@ -72,7 +72,8 @@ def test_keys_at_levels():
 @pytest.mark.parametrize("mode", [None, "fulll"])
 def test_keys_at_checkpoint_without_a_known_mode_is_every_modes_keys(mode):
     assert keys_at(("checkpoint",), mode) == ("mode", "modules", "every", "reentrant", "save_ops",
-                                             "rules", "keep_last", "max_inflight", "predicted")
+                                             "rules", "keep_last", "max_inflight", "predicted",
+                                             "submodules")
 
 
 def test_keys_at_a_rule_and_a_prediction():
