@@ -130,3 +130,23 @@ def saved_bytes(model: nn.Module, x: torch.Tensor, modules: list[nn.Module], min
             h.remove()
     return [sum(sizes[p] for p in ptrs) for ptrs in seen]
 
+
+
+FLAT_GROWTH = 0.5
+"""Growth per block, in block inputs, below which memory held across blocks counts as flat on
+the GPU. The engine copies storage by storage with up to two storages in flight, so one reading
+can sit up to about a block input above its neighbours depending on when a copy finishes; a
+policy whose offload does not take effect holds at least one more block input per block."""
+
+
+def growth_per_block(held: list[int]) -> float:
+    """Bytes by which the memory held after each block grows per block: the least-squares slope
+    over every reading but the last. The last block's activations stay on the GPU for backward by
+    design (its group never leaves), and a slope over all the others is not swayed, as endpoints
+    are, by one reading taken while a copy was still in flight."""
+    ys = held[:-1]
+    n = len(ys)
+    if n < 2:
+        return 0.0
+    mean_x, mean_y = (n - 1) / 2, sum(ys) / n
+    return sum((i - mean_x) * (y - mean_y) for i, y in enumerate(ys)) / sum((i - mean_x) ** 2 for i in range(n))

@@ -17,7 +17,7 @@ from torch import nn
 
 import actcfg
 from actcfg.probes import blocks
-from _helpers import assert_grads_within
+from _helpers import FLAT_GROWTH, assert_grads_within, growth_per_block
 
 pytestmark = [
     pytest.mark.cuda,
@@ -26,7 +26,6 @@ pytestmark = [
 
 FULL_OFFLOAD = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]}, "cpu_checkpointing": True}
 OFFLOAD_ALL = {"version": 1, "cpu_checkpointing": True}
-FLAT = 0.05  # growth per block, as a share of one block input, that counts as flat (as verify)
 
 
 def stack() -> tuple[nn.Module, torch.Tensor]:
@@ -61,13 +60,9 @@ def step(model: nn.Module, x: torch.Tensor, run: nn.Module | None = None,
 
 
 def assert_flat(held: list[int], one_input: int) -> None:
-    """Held memory stops growing: the most held over the second half of the blocks is no more
-    than over the first half. (The engine gives a finished copy back at the next saved tensor,
-    so a single reading dips when a copy happens to finish early: endpoints would read the dip
-    as growth or hide it.)"""
-    n = len(held) // 2
-    growth = (max(held[n:]) - max(held[:n])) / n
-    assert growth < FLAT * one_input, f"memory grew {growth / 2**20:.1f} MiB per block: {held}"
+    """Held memory stops growing from block to block (see `growth_per_block`)."""
+    growth = growth_per_block(held)
+    assert growth < FLAT_GROWTH * one_input, f"memory grew {growth / 2**20:.1f} MiB per block: {held}"
 
 
 @pytest.fixture(scope="module")
