@@ -137,7 +137,13 @@ def _call(model: nn.Module, inputs: Any) -> Any:
 
 
 def measure(model: nn.Module, inputs: Any, steps: int) -> tuple[float, int]:
-    """(median step ms, largest peak above each step's start) over `steps` after two warm-ups."""
+    """(median step ms, largest peak above each step's start) over `steps` after two warm-ups.
+
+    The step is written as a training loop writes it and as the planner measures it
+    (`actcfg.plan.profile.measure_steps`): the output is held until backward ends. Dropping it
+    before backward (as this did until 2026-12-01) frees one output (a block input on the blocks
+    stack) that the planner counts, so the checkpoint-every-block row read 1.939 GiB against the
+    2.002 GiB its own profile measured for the same policy, and no plan could meet it."""
     times, peaks = [], []
     for i in range(steps + 2):
         model.zero_grad(set_to_none=True)
@@ -146,8 +152,10 @@ def measure(model: nn.Module, inputs: Any, steps: int) -> tuple[float, int]:
         torch.cuda.reset_peak_memory_stats()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        default_loss(_call(model, inputs)).backward()
+        output = _call(model, inputs)
+        default_loss(output).backward()
         end.record()
+        del output
         torch.cuda.synchronize()
         if i >= 2:
             times.append(start.elapsed_time(end))
