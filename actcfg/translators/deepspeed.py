@@ -14,7 +14,8 @@ from actcfg.backends.table import Key, field_value
 from actcfg.policy.schema import Policy
 from actcfg.translators._refuse import refuse_inexpressible
 
-__all__ = ["CHECKPOINT_FUNCTION", "FILL_IN", "NUM_CHECKPOINTS_FROM_ROUTE", "SECTION", "to_deepspeed"]
+__all__ = ["CHECKPOINT_FUNCTION", "FILL_IN", "NUM_CHECKPOINTS_FROM_ROUTE", "SECTION", "deepspeed_route",
+           "to_deepspeed"]
 
 FILL_IN = "fill_in"
 """Output key: what the runtime fills in that the policy leaves unset, and from where."""
@@ -22,6 +23,18 @@ NUM_CHECKPOINTS_FROM_ROUTE = (
     "the number of modules the route selects: actcfg.apply passes it to configure(); "
     "passed as null, deepspeed.checkpointing.configure asserts"
 )
+
+
+def deepspeed_route(policy: Policy) -> dict[str, Any] | None:
+    """How DeepSpeed's checkpoint function is reached under `policy`: called by the model
+    itself (`external`), routed by actcfg over the policy's modules, or not at all (`none`).
+    The DeepSpeed and Lightning translations both report it."""
+    ckpt = policy.checkpoint
+    if ckpt.mode == "external":
+        return {"function": CHECKPOINT_FUNCTION, "called_by": "the model"}
+    if ckpt.mode != "none":
+        return {"function": CHECKPOINT_FUNCTION, "modules": list(ckpt.modules), "every": ckpt.every}
+    return None
 
 
 def to_deepspeed(policy: Policy) -> dict[str, Any]:
@@ -39,12 +52,7 @@ def to_deepspeed(policy: Policy) -> dict[str, Any]:
             section[entry.key] = value
             if entry.kwarg is not None:
                 kwargs[entry.kwarg] = value
-    ckpt = policy.checkpoint
-    route: dict[str, Any] | None = None
-    if ckpt.mode == "external":
-        route = {"function": CHECKPOINT_FUNCTION, "called_by": "the model"}
-    elif ckpt.mode != "none":
-        route = {"function": CHECKPOINT_FUNCTION, "modules": list(ckpt.modules), "every": ckpt.every}
+    route = deepspeed_route(policy)
     out: dict[str, Any] = {SECTION: section, "configure_kwargs": kwargs, "route": route}
     if policy.contiguous and policy.num_checkpoints is None:
         # The schema allows this only when the runtime routes the modules: it knows their count.

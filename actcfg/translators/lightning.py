@@ -10,11 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from actcfg.backends import Backend
-from actcfg.backends.deepspeed import CHECKPOINT_FUNCTION, SECTION
+from actcfg.backends.deepspeed import SECTION
 from actcfg.backends.lightning import CONFIG_SECTION, TABLE
 from actcfg.backends.table import Key, field_value
 from actcfg.policy.schema import Policy
 from actcfg.translators._refuse import refuse_inexpressible
+from actcfg.translators.deepspeed import deepspeed_route
 
 __all__ = ["to_lightning"]
 
@@ -48,11 +49,6 @@ def to_lightning(policy: Policy) -> dict[str, Any]:
     else:
         strategy_kwargs, config = kwargs, None
         usage = "DeepSpeedStrategy(**strategy_kwargs)"
-    ckpt = policy.checkpoint
-    route: dict[str, Any] | None = None
-    if ckpt.mode == "external":
-        route = {"function": CHECKPOINT_FUNCTION, "called_by": "the model"}
-    elif ckpt.mode != "none":
-        route = {"function": CHECKPOINT_FUNCTION, "modules": list(ckpt.modules), "every": ckpt.every}
+    route = deepspeed_route(policy)
     return {"strategy_kwargs": strategy_kwargs, "config": config, "usage": usage, "route": route,
             "warnings": [f"{'.'.join(w.path)}: {w.reason}; {w.hint}" for w in warnings]}
