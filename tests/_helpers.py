@@ -6,6 +6,7 @@ keeping their own copies, so a change to what "the plain gradients" means is mad
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -150,3 +151,10 @@ def growth_per_block(held: list[int]) -> float:
         return 0.0
     mean_x, mean_y = (n - 1) / 2, sum(ys) / n
     return sum((i - mean_x) * (y - mean_y) for i, y in enumerate(ys)) / sum((i - mean_x) ** 2 for i in range(n))
+
+
+def readme_snippet(heading: str) -> str:
+    """The first ```python block under `heading` in README.md."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]

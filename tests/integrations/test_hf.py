@@ -38,7 +38,7 @@ try:
     from tests._deepspeed_env import ds_env, ds_globals
 except ImportError:  # pytest's rootdir-relative import mode
     from _deepspeed_env import ds_env, ds_globals
-from _helpers import tiny_llama  # noqa: E402
+from _helpers import readme_snippet, tiny_llama  # noqa: E402
 
 __all__ = ["ds_env"]
 
@@ -467,13 +467,6 @@ def test_a_torch_policy_under_deepspeed_refuses_a_section_nobody_would_read(tmp_
 
 
 # --- the README ---------------------------------------------------------------------------
-
-
-def readme_snippet(heading: str) -> str:
-    """The first ```python block under `heading` in README.md."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
-    return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
 def test_the_readme_hugging_face_snippet_runs_as_written(tmp_path, monkeypatch):

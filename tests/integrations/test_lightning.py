@@ -11,7 +11,6 @@ config check is driven through the callback's `setup` on a real Trainer built wi
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,9 +26,8 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from actcfg.errors import ConfigLoadError, PolicyApplyError  # noqa: E402
 from actcfg.integrations.lightning import ActivationPolicy  # noqa: E402
 from actcfg.probes import BlockStack  # noqa: E402
-from _helpers import tiny_llama  # noqa: E402
+from _helpers import readme_snippet, tiny_llama  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 BLOCKS = 3
 FULL = "version: 1\ncheckpoint: {mode: full, modules: [Block]}\n"
@@ -353,13 +351,6 @@ def test_a_strategy_section_that_agrees_or_is_lightnings_default_is_accepted(str
 
 
 # --- the README ---------------------------------------------------------------------------
-
-
-def readme_snippet(heading: str) -> str:
-    """The first ```python block under `heading` in README.md."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
-    return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
 def test_the_readme_lightning_snippet_runs_as_written(tmp_path, monkeypatch):
