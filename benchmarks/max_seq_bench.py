@@ -194,6 +194,39 @@ def find_longest(fits: Callable[[int], bool], start: int, granularity: int, limi
     return out
 
 
+def try_lengths(fits: Callable[[int], bool], lengths: list[int]) -> Search:
+    """Run the given lengths in ascending order, with no search: the longest that fit is a lower
+    bound on the variant's longest, the shortest that failed above it an upper bound. A length
+    past a failure is still run (memory need not be monotonic in a benchmark's eyes: say so if
+    it is not)."""
+    out = Search()
+    for length in sorted(set(lengths)):
+        ok = fits(length)
+        out.tried.append((length, ok))
+        if ok:
+            out.longest = max(out.longest or 0, length)
+    failing = [n for n, ok in out.tried if not ok and n > (out.longest or 0)]
+    out.shortest_failing = min(failing) if failing else None
+    return out
+
+
+def parse_at(specs: list[str]) -> dict[str, list[int]]:
+    """`--at VARIANT=LEN[,LEN...]` (lengths in tokens, or with a k suffix: 128k = 131072)."""
+    out: dict[str, list[int]] = {}
+    for spec in specs:
+        key, sep, lengths = spec.partition("=")
+        if not sep or key not in VARIANTS or not lengths:
+            raise ValueError(f"--at {spec!r}: write VARIANT=LENGTH[,LENGTH...] with VARIANT one of "
+                             f"{', '.join(VARIANTS)} (e.g. --at hf-checkpointing=128k,160k)")
+        for text in lengths.split(","):
+            t = text.strip().lower()
+            n = int(t[:-1]) * 1024 if t.endswith("k") and t[:-1].isdigit() else int(t) if t.isdigit() else 0
+            if n <= 0:
+                raise ValueError(f"--at {spec!r}: {text!r} is not a length (tokens, or 128k)")
+            out.setdefault(key, []).append(n)
+    return out
+
+
 # --- one length, in its own process ----------------------------------------------------------------
 
 
@@ -533,6 +566,8 @@ class Outcome:
     """Every length run, by length."""
     unavailable: str = ""
     error: str = ""
+    skipped: list[int] = field(default_factory=list)
+    """Lengths not run because the run's deadline had passed."""
 
     @property
     def best(self) -> dict[str, Any] | None:
@@ -577,15 +612,24 @@ def run_length(key: str, shape: Shape, length: int, steps: int, timeout: int, ex
     return out
 
 
-def search_variant(key: str, shape: Shape, args: argparse.Namespace, log: Callable[[str], None]) -> Outcome:
-    """Find the longest length of one variant, each length in a fresh process."""
+def search_variant(key: str, shape: Shape, args: argparse.Namespace, log: Callable[[str], None],
+                   lengths: list[int] | None = None) -> Outcome:
+    """Find the longest length of one variant, each length in a fresh process (or, with
+    `lengths`, run just those)."""
     outcome = Outcome(key, VARIANTS[key].label)
 
     class Stop(Exception):
         pass
 
     def fits(length: int) -> bool:
-        r = run_length(key, shape, length, args.steps, args.child_timeout, not args.no_expandable_segments)
+        left = args.deadline - time.monotonic()
+        if left < 30:
+            # Past the run's deadline a length is not tried: the report must still be written.
+            outcome.skipped.append(length)
+            log(f"{key:30s} {length:>8d}  not run: the run's --deadline-s has passed")
+            raise Stop
+        r = run_length(key, shape, length, args.steps, int(min(args.child_timeout, left - 20)),
+                       not args.no_expandable_segments)
         outcome.runs[length] = r
         if r.get("unavailable"):
             outcome.unavailable = r["unavailable"]
@@ -612,11 +656,15 @@ def search_variant(key: str, shape: Shape, args: argparse.Namespace, log: Callab
         return ok
 
     try:
-        outcome.search = find_longest(recording_fits, shape.start, shape.granularity, shape.limit)
+        if lengths is not None:
+            outcome.search = try_lengths(recording_fits, lengths)
+        else:
+            outcome.search = find_longest(recording_fits, shape.start, shape.granularity, shape.limit)
     except Stop:
         outcome.search = recorded
-        why = f"unavailable: {outcome.unavailable}" if outcome.unavailable else f"error: {outcome.error[-300:]}"
-        log(f"{key:30s} {why}")
+        if outcome.unavailable or outcome.error:
+            why = f"unavailable: {outcome.unavailable}" if outcome.unavailable else f"error: {outcome.error[-300:]}"
+            log(f"{key:30s} {why}")
     return outcome
 
 
@@ -630,6 +678,9 @@ def compare_at(outcomes: dict[str, Outcome], shape: Shape, args: argparse.Namesp
     for key in ("actcfg-checkpoint", ACTCFG_HEADLINE):
         o = outcomes.get(key)
         if o is None or o.search.longest is None or o.search.longest < at or at in o.runs:
+            continue
+        if args.deadline - time.monotonic() < 30:
+            log(f"{key:30s} {at:>8d}  (at HF's longest) not run: the run's --deadline-s has passed")
             continue
         o.runs[at] = run_length(key, shape, at, args.steps, args.child_timeout, not args.no_expandable_segments)
         log(f"{key:30s} {at:>8d}  (at HF's longest) fits: {o.runs[at]['fits']}")
@@ -669,7 +720,7 @@ def targets(outcomes: dict[str, Outcome]) -> list[str]:
         longest_peer = max((v or 0) for v in peers.values())
         row("actcfg checkpoint + cpu_checkpointing: longer than every peer",
             f"{_k(mine)} against {_k(longest_peer)}"
-            + (f" (limit {_k(act.search.longest)} reached: longer not tried)" if act.search.limit_reached else ""),
+            + (f" ({_k(act.search.longest)} the longest tried: longer not tried)" if act.search.limit_reached else ""),
             mine > longest_peer)
     if hf is not None and hf.search.longest is not None:
         at = hf.search.longest
@@ -727,8 +778,12 @@ def render(meta: dict[str, Any], outcomes: dict[str, Outcome], shape: Shape) -> 
     out = [f"Measured {meta['date']} on {meta['gpu']}, torch {meta['torch']}, transformers "
            f"{meta['transformers']}; shape {meta['shape_name']} ({shape.hidden} hidden, {shape.layers} layers, "
            f"{shape.heads} heads, {shape.kv_heads} KV heads, intermediate {shape.intermediate}, vocab "
-           f"{shape.vocab}); bf16 parameters and AdamW states, batch 1{cap}. Lengths doubled from "
-           f"{_k(shape.start)}, then bisected to {_k(shape.granularity)}; each in a fresh process; "
+           f"{shape.vocab}); bf16 parameters and AdamW states, batch 1{cap}. "
+           + (f"Lengths doubled from {_k(shape.start)}, then bisected to {_k(shape.granularity)}; "
+              if meta.get("searched", True) else
+              "Only the lengths listed under each variant were run (no search): a longest that fit is "
+              "a lower bound, a shortest that did not an upper bound; ")
+           + "each length in a fresh process; "
            f"steady state: median of {meta['steps']} steps after the first at that length; "
            f"allocator: {meta['alloc_conf'] or 'defaults'}.",
            ""]
@@ -746,9 +801,13 @@ def render(meta: dict[str, Any], outcomes: dict[str, Outcome], shape: Shape) -> 
             out.append(f"| {o.label} | error: {o.error.strip().splitlines()[-1][:150]} | | | | | | | | |")
             continue
         r = o.best
-        failing = _k(o.search.shortest_failing) if o.search.shortest_failing else "none up to the limit"
+        failing = (_k(o.search.shortest_failing) if o.search.shortest_failing else
+                   "none up to the limit" if meta.get("searched", True) else "none tried")
+        if o.skipped:
+            failing += f" ({', '.join(_k(n) for n in o.skipped)} not run: deadline)"
         if r is None:
-            out.append(f"| {o.label} | none from {_k(shape.start)} | {failing} | | | | | | | |")
+            tried = f"none from {_k(shape.start)}" if meta.get("searched", True) else "none of those tried"
+            out.append(f"| {o.label} | {tried} | {failing} | | | | | | | |")
             continue
         ok = r["proof"] == "ok"
         pinned = r.get("pinned_host")
@@ -797,7 +856,7 @@ def plot(outcomes: dict[str, Outcome], path: Path, shape_name: str) -> None:
         if o.search.longest is not None and credited(o) is None:
             bars.text(0, i, " effect missing", va="center", color="red", fontsize=8)
         elif o.search.limit_reached:
-            bars.text(values[i], i, " (limit: longer not tried)", va="center", fontsize=8)
+            bars.text(values[i], i, " (longer not tried)", va="center", fontsize=8)
     bars.set_xlabel("longest sequence that fit (k tokens)")
     bars.set_title(f"{shape_name}: longest sequence per variant")
     bars.invert_yaxis()
@@ -841,6 +900,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child-timeout", type=int, default=3600, help="seconds one length's process may take")
     ap.add_argument("--no-expandable-segments", action="store_true",
                     help="leave PYTORCH_CUDA_ALLOC_CONF as it is (default: expandable_segments:True)")
+    ap.add_argument("--at", action="append", default=[], metavar="VARIANT=LEN[,LEN...]",
+                    help="run only these lengths of this variant, no search (repeatable; 128k = 131072): "
+                         "the longest that fit is a lower bound, as the report says")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="launch no length after this many seconds (the report is still written)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--length", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--shape-json", help=argparse.SUPPRESS)
@@ -848,7 +912,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.child:
         return child(args)
-    keys = [k for k in args.variants.split(",") if k]
+    try:
+        given = parse_at(args.at)
+    except ValueError as e:
+        print(f"max_seq_bench: {e}", file=sys.stderr)
+        return 2
+    keys = list(given) if given else [k for k in args.variants.split(",") if k]
     unknown = [k for k in keys if k not in VARIANTS]
     if unknown:
         print(f"max_seq_bench: unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}",
@@ -879,10 +948,12 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
 
     t0 = time.perf_counter()
+    args.deadline = time.monotonic() + (args.deadline_s if args.deadline_s is not None else float("inf"))
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
         # the plan's search first: its lengths each profile some 30 steps, the longest path
-        futures = {k: pool.submit(search_variant, k, shape, args, log)
-                   for k in sorted(keys, key=lambda k: k != "actcfg-auto")}
+        # (with --at, the order given: the user put first what matters most)
+        order = keys if given else sorted(keys, key=lambda k: k != "actcfg-auto")
+        futures = {k: pool.submit(search_variant, k, shape, args, log, given.get(k)) for k in order}
         outcomes = {k: futures[k].result() for k in keys}
     compare_at(outcomes, shape, args, log)
     measured = next((r for o in outcomes.values() for r in o.runs.values() if r.get("gpu")), {})
@@ -892,12 +963,14 @@ def main(argv: list[str] | None = None) -> int:
         "transformers": version("transformers"), "shape_name": args.shape, "shape": asdict(shape),
         "steps": args.steps, "jobs": args.jobs, "wall_s": time.perf_counter() - t0,
         "alloc_conf": alloc_conf(not args.no_expandable_segments),
+        "searched": not given,
     }
     data = {"meta": meta, "variants": {k: {"label": o.label, "longest": o.search.longest,
                                            "credited_longest": credited(o),
                                            "shortest_failing": o.search.shortest_failing,
                                            "limit_reached": o.search.limit_reached, "tried": o.search.tried,
                                            "unavailable": o.unavailable, "error": o.error,
+                                           "not_run_deadline": o.skipped,
                                            "runs": {str(L): r for L, r in sorted(o.runs.items())}}
                                        for k, o in outcomes.items()}}
     _write(args.out / "max_seq.json", json.dumps(data, indent=1))

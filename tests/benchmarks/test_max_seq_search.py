@@ -194,7 +194,7 @@ def test_a_length_runs_in_its_own_process_and_an_error_stops_the_search(bench):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the child would measure")
-    args = argparse.Namespace(steps=1, child_timeout=300, no_expandable_segments=False)
+    args = argparse.Namespace(steps=1, child_timeout=300, no_expandable_segments=False, deadline=float("inf"))
     lines: list[str] = []
     outcome = bench.search_variant("plain", bench.SHAPES["small"], args, lines.append)
     run = outcome.runs[4096]
@@ -202,3 +202,42 @@ def test_a_length_runs_in_its_own_process_and_an_error_stops_the_search(bench):
     assert "Traceback" in outcome.error and outcome.search.longest is None
     assert list(outcome.runs) == [4096]  # nothing more was tried
     assert lines[-1].startswith("plain") and "error: " in lines[-1]
+
+
+def test_given_lengths_run_in_order_and_bound_the_longest(bench):
+    """--at runs only the lengths given (a run on a big model cannot afford the search): the
+    longest that fit is a lower bound, the shortest failing above it an upper bound."""
+    k = 1024
+    calls: list[int] = []
+    found = bench.try_lengths(_under(200 * k, calls), [256 * k, 128 * k, 160 * k, 128 * k])
+    assert calls == [128 * k, 160 * k, 256 * k]
+    assert (found.longest, found.shortest_failing) == (160 * k, 256 * k)
+    assert not found.limit_reached
+    assert bench.try_lengths(_under(1 << 30, []), [64 * k]).limit_reached  # nothing failed: longer not tried
+
+
+def test_lengths_are_given_per_variant_in_tokens_or_k(bench, tmp_path, capsys):
+    assert bench.parse_at(["hf-checkpointing=128k,160k", "actcfg-checkpoint-cpu=196608"]) == {
+        "hf-checkpointing": [131072, 163840], "actcfg-checkpoint-cpu": [196608]}
+    for bad in ("hf-checkpointing", "nope=128k", "plain=12q", "plain=0"):
+        with pytest.raises(ValueError, match=r"^--at "):
+            bench.parse_at([bad])
+    assert bench.main(["--at", "plain=12q", "--out", str(tmp_path)]) == 2
+    assert "'12q' is not a length (tokens, or 128k)" in capsys.readouterr().err
+
+
+def test_past_the_deadline_no_length_is_launched_and_the_report_says_so(bench):
+    """A run under a device's time limit must end with its report written, not killed mid-child."""
+    import argparse
+    import time
+
+    args = argparse.Namespace(steps=1, child_timeout=300, no_expandable_segments=False, deadline=time.monotonic())
+    lines: list[str] = []
+    outcome = bench.search_variant("plain", bench.SHAPES["3b"], args, lines.append, [131072, 163840])
+    assert outcome.runs == {} and outcome.skipped == [131072] and outcome.search.longest is None
+    assert lines == ["plain                            131072  not run: the run's --deadline-s has passed"]
+    meta = {"date": "2026-12-01T00:00:00+00:00", "gpu": "NVIDIA H200", "torch": "2.11", "transformers": "5.24",
+            "shape_name": "3b", "steps": 1, "jobs": 1, "alloc_conf": "", "searched": False}
+    text = bench.render(meta, {"plain": outcome}, bench.SHAPES["3b"])
+    assert "| plain | none of those tried | none tried (128k not run: deadline) |" in text
+    assert "Only the lengths listed under each variant were run (no search)" in text
