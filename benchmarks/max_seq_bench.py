@@ -567,7 +567,8 @@ class Outcome:
     unavailable: str = ""
     error: str = ""
     skipped: list[int] = field(default_factory=list)
-    """Lengths not run because the run's deadline had passed."""
+    """Lengths not measured: the run's deadline had passed, or the length's process ran out of
+    time (unknown whether it fits; the search stopped there)."""
 
     @property
     def best(self) -> dict[str, Any] | None:
@@ -604,6 +605,10 @@ def run_length(key: str, shape: Shape, length: int, steps: int, timeout: int, ex
         wall = time.perf_counter() - t0
         if path.exists():
             out = json.loads(path.read_text())
+        elif rc is None:
+            # Out of time is not out of memory: the length is unknown, and the search stops there.
+            out = {"variant": key, "length": length, "fits": False, "timed_out": True,
+                   "why": f"timed out after {timeout} s, before its steps ended: whether it fits is unknown"}
         else:
             # Killed without a word (the host out of memory, say): the length does not fit here.
             out = {"variant": key, "length": length, "fits": False,
@@ -621,7 +626,12 @@ def search_variant(key: str, shape: Shape, args: argparse.Namespace, log: Callab
     class Stop(Exception):
         pass
 
+    earlier = getattr(args, "earlier", {}).get(key, {})
+
     def fits(length: int) -> bool:
+        if length in earlier:  # measured by an earlier run (--resume): not run again
+            outcome.runs[length] = r = earlier[length]
+            return bool(r["fits"])
         left = args.deadline - time.monotonic()
         if left < 30:
             # Past the run's deadline a length is not tried: the report must still be written.
@@ -636,6 +646,10 @@ def search_variant(key: str, shape: Shape, args: argparse.Namespace, log: Callab
             raise Stop
         if r.get("error"):
             outcome.error = r["error"]
+            raise Stop
+        if r.get("timed_out"):
+            outcome.skipped.append(length)
+            log(f"{key:30s} {length:>8d}  {r['why']}")
             raise Stop
         if r["fits"]:
             log(f"{key:30s} {length:>8d}  fits: first {r['first_s']:.2f} s, steady {r['steady_s']:.2f} s, "
@@ -657,7 +671,7 @@ def search_variant(key: str, shape: Shape, args: argparse.Namespace, log: Callab
 
     try:
         if lengths is not None:
-            outcome.search = try_lengths(recording_fits, lengths)
+            outcome.search = try_lengths(recording_fits, [*lengths, *earlier])
         else:
             outcome.search = find_longest(recording_fits, shape.start, shape.granularity, shape.limit)
     except Stop:
@@ -723,18 +737,23 @@ def targets(outcomes: dict[str, Outcome]) -> list[str]:
             + (f" ({_k(act.search.longest)} the longest tried: longer not tried)" if act.search.limit_reached else ""),
             mine > longest_peer)
     if hf is not None and hf.search.longest is not None:
-        at = hf.search.longest
+        # At HF's longest, where actcfg ran it; else at the longest length both ran (a run of
+        # chosen lengths, --at), said as such.
+        both = [n for n in hf.runs if hf.runs[n].get("fits") and act.runs.get(n, {}).get("fits")]
+        at = hf.search.longest if hf.search.longest in both else max(both, default=None)
         a, h = act.runs.get(at), hf.runs.get(at)
+        where = (f"HF's longest ({_k(at)})" if at == hf.search.longest else
+                 f"{_k(at)}, the longest both ran (HF's longest here: {_k(hf.search.longest)})")
         if a and h and a.get("fits") and h.get("fits"):
             ratio = a["steady_s"] / h["steady_s"]
-            row(f"at HF's longest ({_k(at)}): actcfg's steady time per token / HF's <= 1.05",
+            row(f"at {where}: actcfg's steady time per token / HF's <= 1.05",
                 f"{a['steady_s']:.2f} / {h['steady_s']:.2f} s = {ratio:.3f}",
                 ratio <= 1.05 and a["proof"] == "ok" and h["proof"] == "ok")
             first = a["first_s"] / a["steady_s"]
-            row(f"at HF's longest ({_k(at)}): actcfg's first step / its steady state <= 1.1",
+            row(f"at {where}: actcfg's first step / its steady state <= 1.1",
                 f"{a['first_s']:.2f} / {a['steady_s']:.2f} s = {first:.3f}", first <= 1.1 and a["proof"] == "ok")
             hf_first = h["first_s"] / h["steady_s"]
-            row(f"at HF's longest ({_k(at)}): HF's first step / its steady state (for scale)",
+            row(f"at {where}: HF's first step / its steady state (for scale)",
                 f"{h['first_s']:.2f} / {h['steady_s']:.2f} s = {hf_first:.3f}", None)
     return lines
 
@@ -804,7 +823,7 @@ def render(meta: dict[str, Any], outcomes: dict[str, Outcome], shape: Shape) -> 
         failing = (_k(o.search.shortest_failing) if o.search.shortest_failing else
                    "none up to the limit" if meta.get("searched", True) else "none tried")
         if o.skipped:
-            failing += f" ({', '.join(_k(n) for n in o.skipped)} not run: deadline)"
+            failing += f" ({', '.join(_k(n) for n in o.skipped)} not measured: out of time)"
         if r is None:
             tried = f"none from {_k(shape.start)}" if meta.get("searched", True) else "none of those tried"
             out.append(f"| {o.label} | {tried} | {failing} | | | | | | | |")
@@ -903,6 +922,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--at", action="append", default=[], metavar="VARIANT=LEN[,LEN...]",
                     help="run only these lengths of this variant, no search (repeatable; 128k = 131072): "
                          "the longest that fit is a lower bound, as the report says")
+    ap.add_argument("--resume", type=Path, default=None, metavar="MAX_SEQ_JSON",
+                    help="reuse the lengths an earlier run measured (its max_seq.json), for the same shape")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="launch no length after this many seconds (the report is still written)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -924,6 +945,13 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     shape = _shape_from(args)
+    try:
+        args.earlier = earlier_runs(args.resume, shape)
+    except ValueError as e:
+        print(f"max_seq_bench: {e}", file=sys.stderr)
+        return 2
+    if given:
+        keys = list(dict.fromkeys([*keys, *args.earlier]))
     try:
         find_longest(lambda n: False, shape.start, shape.granularity, shape.limit)  # checks the grid only
     except ValueError as e:
@@ -953,7 +981,8 @@ def main(argv: list[str] | None = None) -> int:
         # the plan's search first: its lengths each profile some 30 steps, the longest path
         # (with --at, the order given: the user put first what matters most)
         order = keys if given else sorted(keys, key=lambda k: k != "actcfg-auto")
-        futures = {k: pool.submit(search_variant, k, shape, args, log, given.get(k)) for k in order}
+        futures = {k: pool.submit(search_variant, k, shape, args, log, given.get(k, [] if given else None))
+                   for k in order}
         outcomes = {k: futures[k].result() for k in keys}
     compare_at(outcomes, shape, args, log)
     measured = next((r for o in outcomes.values() for r in o.runs.values() if r.get("gpu")), {})
@@ -979,6 +1008,24 @@ def main(argv: list[str] | None = None) -> int:
     plot(outcomes, args.out / "max_seq.png", args.shape)
     print(text)
     return 0
+
+
+def earlier_runs(path: Path | None, shape: Shape) -> dict[str, dict[int, dict[str, Any]]]:
+    """The measured runs of an earlier max_seq.json, by variant and length (a run that was not
+    measured, out of time, is left to run again)."""
+    if path is None:
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        earlier_shape = data["meta"]["shape"]
+        variants = data["variants"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--resume {path}: not a max_seq.json this benchmark wrote ({e})") from e
+    if earlier_shape != asdict(shape):
+        raise ValueError(f"--resume {path}: measured another shape ({earlier_shape}); pass the same "
+                         "--shape and overrides")
+    return {k: {int(n): r for n, r in v["runs"].items() if not r.get("timed_out")}
+            for k, v in variants.items() if k in VARIANTS}
 
 
 def _write(path: Path, text: str) -> None:

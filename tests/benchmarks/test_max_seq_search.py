@@ -239,5 +239,41 @@ def test_past_the_deadline_no_length_is_launched_and_the_report_says_so(bench):
     meta = {"date": "2026-12-01T00:00:00+00:00", "gpu": "NVIDIA H200", "torch": "2.11", "transformers": "5.24",
             "shape_name": "3b", "steps": 1, "jobs": 1, "alloc_conf": "", "searched": False}
     text = bench.render(meta, {"plain": outcome}, bench.SHAPES["3b"])
-    assert "| plain | none of those tried | none tried (128k not run: deadline) |" in text
+    assert "| plain | none of those tried | none tried (128k not measured: out of time) |" in text
     assert "Only the lengths listed under each variant were run (no search)" in text
+
+
+def test_a_resumed_run_reuses_measured_lengths_and_compares_where_both_ran(bench, tmp_path, monkeypatch):
+    """--resume: the lengths an earlier call measured are not run again (a device call's limit
+    splits a big model's lengths over calls); one that timed out is run again. The same-run
+    comparison falls back to the longest length both HF and actcfg ran."""
+    import argparse
+
+    k = 1024
+    shape = bench.SHAPES["3b"]
+    earlier = {"meta": {"shape": dataclasses.asdict(shape)}, "variants": {
+        "hf-checkpointing": {"runs": {str(128 * k): _run(128 * k, steady=30.8), str(160 * k): _run(160 * k, steady=46.6)}},
+        "actcfg-checkpoint-cpu": {"runs": {str(128 * k): _run(128 * k, steady=31.0, engine=True),
+                                           str(256 * k): {"fits": False, "timed_out": True, "why": "timed out"}}}}}
+    path = tmp_path / "max_seq.json"
+    path.write_text(json.dumps(earlier))
+    runs = bench.earlier_runs(path, shape)
+    assert sorted(runs["actcfg-checkpoint-cpu"]) == [128 * k]  # the timed-out length runs again
+    ran: list[tuple[str, int]] = []
+
+    def fake_run(key, shape, length, *_):
+        ran.append((key, length))
+        return _run(length, steady=120.0, engine=True)
+
+    monkeypatch.setattr(bench, "run_length", fake_run)
+    args = argparse.Namespace(steps=1, child_timeout=300, no_expandable_segments=False, deadline=float("inf"),
+                              earlier=runs)
+    act = bench.search_variant("actcfg-checkpoint-cpu", shape, args, lambda _: None, [256 * k])
+    hf = bench.search_variant("hf-checkpointing", shape, args, lambda _: None, [])
+    assert ran == [("actcfg-checkpoint-cpu", 256 * k)]
+    assert (act.search.longest, hf.search.longest) == (256 * k, 160 * k)
+    lines = "\n".join(bench.targets({"hf-checkpointing": hf, "actcfg-checkpoint-cpu": act}))
+    assert ("| at 128k, the longest both ran (HF's longest here: 160k): actcfg's steady time per token / "
+            "HF's <= 1.05 | 31.00 / 30.80 s = 1.006 | yes |") in lines
+    with pytest.raises(ValueError, match="measured another shape"):
+        bench.earlier_runs(path, bench.SHAPES["small"])
