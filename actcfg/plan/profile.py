@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten
 from actcfg.runtime.torch_applier import resolve_ops
 from actcfg.runtime.wrap import select_modules
 from actcfg.errors import ActcfgError, PlanError
+from actcfg.runtime.compiling import warm_up
 from actcfg.runtime.offload import OffloadWarning, loopback_enabled
 from actcfg.plan.cost import Run, assemble
 from actcfg.plan.parts import find_parts
@@ -129,21 +130,6 @@ def _graphs_built() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _settle(step: Callable[[], Any], most: int = 8) -> float:
-    """Run `step` until its wall time stops falling (within a quarter of the fastest so far),
-    at most `most` times; return the milliseconds beyond that many settled steps: the compile
-    time. torch.compile builds graphs lazily (backward at its first call, each graph-break
-    continuation at its first reach), so one warm-up step is not enough."""
-    times: list[float] = []
-    while len(times) < most:
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-        if len(times) >= 2 and times[-1] <= 1.25 * min(times[:-1]):
-            break
-    return max(0.0, sum(times) - len(times) * min(times)) * 1000.0
-
-
 @contextlib.contextmanager
 def _compiling(spent: list[float], compiled: bool) -> Iterator[None]:
     """Adds the wall time inside to `spent` when the model is compiled: a run's first call
@@ -171,7 +157,7 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
     try:
         # warm-up: pinned pools, allocator, kernels; compiled, until the graphs are all built
         if compiled:
-            spent.append(_settle(lambda: probe.step(model, args, kwargs, loss_fn)))
+            spent.append(warm_up(lambda: probe.step(model, args, kwargs, loss_fn)))
         else:
             probe.step(model, args, kwargs, loss_fn)
         measured = [probe.step(model, args, kwargs, loss_fn) for _ in range(steps)]
@@ -182,7 +168,7 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
         # the probe's hooks break the model's graph at the blocks; without them it is one graph
         # again, compiled here before the unprobed steps are timed.
         if compiled:
-            spent.append(_settle(lambda: measure_steps(model, kwargs if kwargs else tuple(args),
+            spent.append(warm_up(lambda: measure_steps(model, kwargs if kwargs else tuple(args),
                                                        loss_fn=loss_fn, steps=1,
                                                        count=meter.memory)))
         unprobed, _ = measure_steps(model, kwargs if kwargs else tuple(args), loss_fn=loss_fn,

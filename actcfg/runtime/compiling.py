@@ -15,7 +15,9 @@ back to eager past its recompile limit), and `remove()` drops them with the func
 
 from __future__ import annotations
 
+import time
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +30,23 @@ from actcfg.runtime.reports import CompileReport
 from actcfg.runtime.wrap import call_inner, override_forward, select_by_rules
 from actcfg.translators import to_torch_native
 
-__all__ = ["apply_compile", "compiled_modules"]
+__all__ = ["apply_compile", "compiled_modules", "warm_up"]
+
+
+def warm_up(step: Callable[[], Any], most: int = 8) -> float:
+    """Run `step` until its wall time stops falling (within a quarter of the fastest so far),
+    at most `most` times; return the milliseconds beyond that many settled steps: the compile
+    time. torch.compile builds graphs lazily (backward at its first call, each graph-break
+    continuation at its first reach), so one warm-up step is not enough. The planner's profile
+    and `verify` both time a compiled policy only after this."""
+    times: list[float] = []
+    while len(times) < most:
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+        if len(times) >= 2 and times[-1] <= 1.25 * min(times[:-1]):
+            break
+    return max(0.0, sum(times) - len(times) * min(times)) * 1000.0
 
 
 def compiled_modules(model: nn.Module, policy: Policy) -> list[tuple[str, nn.Module]]:

@@ -109,7 +109,12 @@ def _measure(
     loss_fn: Callable[[Any], torch.Tensor],
     steps: int,
     input_sizes: list[int] | None = None,
-) -> RunMeasurement:
+    compiled: bool = False,
+    timed: Callable[[], None] | None = None,
+) -> tuple[RunMeasurement, float | None]:
+    """The run's measurement, and for a `compiled` model the milliseconds its warm-up took above
+    as many settled steps (compiling; None when not compiled). `timed` is called once, when
+    the warm-up is over and the measured steps begin."""
     import torch
 
     try:
@@ -124,7 +129,9 @@ def _measure(
             # Only the first call in forward: a recompute in backward calls the block again.
             if state["recording"] and held[index] is None:
                 held[index] = torch.cuda.memory_allocated() - state["baseline"]
-        return hook
+        # Under `compile: {scope: model}` dynamo would trace the hook; it reads the allocator,
+        # so it runs eagerly between graphs (a break at each block, as the planner's probe).
+        return torch.compiler.disable(hook) if compiled else hook
 
     def before(index: int) -> Callable[..., None]:
         def hook(module: nn.Module, a: Any, k: Any) -> None:
@@ -139,30 +146,45 @@ def _measure(
                     for i, m in enumerate(modules)]
     times: list[float] = []
     peak = 0
+
+    def one_step(step: int, last: bool) -> None:
+        nonlocal peak
+        model.zero_grad(set_to_none=True)
+        a, k = _fresh(args), _fresh(kwargs)
+        held[:] = [None] * len(modules)
+        _seed_step(step)
+        torch.cuda.synchronize()
+        state["baseline"] = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        state["recording"] = last
+        try:
+            output = model(*a, **k)
+        finally:
+            state["recording"] = False
+        loss = loss_fn(output)
+        loss.backward()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+        peak = torch.cuda.max_memory_allocated() - state["baseline"]
+        del output, loss, a, k
+
+    compile_ms = None
     try:
+        if compiled:
+            # torch.compile builds its graphs in the first steps (backward's at its first call):
+            # timed steps come after they settle, as the planner timed the plan, and the time
+            # above settled steps is reported as compiling, not as the policy's step time.
+            from actcfg.runtime.compiling import warm_up
+
+            compile_ms = warm_up(lambda: one_step(0, last=False))
+            times.clear()
+        if timed is not None:
+            timed()
         for step in range(steps):
-            last = step == steps - 1
-            model.zero_grad(set_to_none=True)
-            a, k = _fresh(args), _fresh(kwargs)
-            held[:] = [None] * len(modules)
-            _seed_step(step)
-            torch.cuda.synchronize()
-            state["baseline"] = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            state["recording"] = last
-            try:
-                output = model(*a, **k)
-            finally:
-                state["recording"] = False
-            loss = loss_fn(output)
-            loss.backward()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1000)
-            peak = torch.cuda.max_memory_allocated() - state["baseline"]
-            del output, loss, a, k
+            one_step(step, last=step == steps - 1)
     finally:
         for h in handles:
             h.remove()
@@ -171,7 +193,7 @@ def _measure(
         raise VerifyError(f"block {missing[0]} was never called in forward, so no memory was "
                           "measured after it")
     return RunMeasurement(tuple(int(h) for h in held if h is not None), int(peak),
-                          statistics.median(times))
+                          statistics.median(times)), compile_ms
 
 
 def _grad_diffs(plain: nn.Module, ours: nn.Module) -> tuple[GradDiff, ...]:
@@ -268,13 +290,31 @@ def _held(handle: Any) -> dict[str, int | None]:
             "keep_last": int(engine.keep_last)}
 
 
-def _effect(handle: Any, steps: int) -> tuple[int | None, int | None]:
+def handle_compiled(handle: Any) -> bool:
+    """Whether the policy's `compile:` compiled something (the handle says what)."""
+    return getattr(handle, "compiled", None) is not None
+
+
+class _Counted:
+    """The runtime's recompute counter when the measured steps began (a compiled policy's
+    warm-up steps recompute too, and are not the measured steps)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.counters = getattr(handle, "counters", None)
+        self.baseline = 0
+
+    def start(self) -> None:
+        self.baseline = 0 if self.counters is None else self.counters.recomputes
+
+
+def _effect(handle: Any, steps: int, baseline: int = 0) -> tuple[int | None, int | None]:
     """What the runtime counted: bytes its engine offloaded in the last step, and checkpointed
-    modules run again per backward (the counters cover every step under the policy)."""
+    modules run again per measured backward (the counters cover every step under the policy;
+    `baseline` is their count before the measured steps)."""
     engine = getattr(handle, "engine", None)
     offloaded = None if engine is None else int(engine.stats.offloaded_bytes)
     counters = getattr(handle, "counters", None)
-    recomputes = (counters.recomputes // steps
+    recomputes = ((counters.recomputes - baseline) // steps
                   if counters is not None and handle.checkpointed else None)
     return offloaded, recomputes
 
@@ -372,17 +412,19 @@ def measure_here(
         sizes: list[int] = []
         with _caller_rng_kept():
             try:
-                plain_run = _measure(plain, blocks, args, kwargs, loss, steps, sizes)
+                plain_run, _ = _measure(plain, blocks, args, kwargs, loss, steps, sizes)
             except RuntimeError as e:
                 raise VerifyError(f"the model failed without the policy: {e}") from e
             pool_before = _pinned_pool_bytes()
+            counted = _Counted(handle)
             try:
-                policy_run = _measure(ours, blocks, args, kwargs, loss, steps)
+                policy_run, compile_ms = _measure(ours, blocks, args, kwargs, loss, steps,
+                                                  compiled=handle_compiled(handle), timed=counted.start)
             except RuntimeError as e:
                 raise VerifyError(f"the model failed under the policy: {e}") from e
         grads = _grad_diffs(plain, ours)
         pinned, pageable = _host_bytes(handle, pool_before)
-        offloaded, recomputes = _effect(handle, steps)
+        offloaded, recomputes = _effect(handle, steps, counted.baseline)
         held = _held(handle)
     finally:
         handle.remove()
@@ -399,6 +441,7 @@ def measure_here(
         host_pageable_bytes=pageable,
         offloaded_bytes=offloaded,
         recomputes=recomputes,
+        compile_ms=compile_ms,
         **held,
     )
 

@@ -77,7 +77,10 @@ def render_text(report: VerifyReport) -> str:
         ("peak", f"plain {_mib(m.plain.peak)} MiB, policy {_mib(m.policy.peak)} MiB"
                  + ("" if math.isnan(change) else f" ({change:+.0%})")),
         ("step time", f"plain {_ms(m.plain.step_time_s)}, policy {_ms(m.policy.step_time_s)}"
-                      f" (median of {m.steps})"),
+                      f" (median of {m.steps}"
+                      + ("" if m.compile_ms is None else
+                         f", after compiling: {m.compile_ms / 1000:.1f} s of warm-up excluded")
+                      + ")"),
         *_predicted_row(report),
         ("host memory", f"pinned {pinned}, pageable {pageable}"),
         ("gradient error", grad),

@@ -96,6 +96,10 @@ class Measurements:
     """The same in the last forward (the open group and the copies in flight)."""
     keep_last: int | None = None
     """The engine's `keep_last` (None: actcfg's engine did not run)."""
+    compile_ms: float | None = None
+    """With `compile:`: the wall milliseconds the policy's warm-up steps took above as many
+    settled steps, torch.compile building its graphs; the measured steps came after it (None:
+    nothing was compiled)."""
 
 
 @dataclass(frozen=True)
@@ -176,6 +180,7 @@ def _numbers(m: Measurements) -> dict[str, Any]:
         ],
         "peak_bytes": {"plain": m.plain.peak, "policy": m.policy.peak},
         "step_time_s": {"plain": m.plain.step_time_s, "policy": m.policy.step_time_s},
+        "compile_ms": None if m.compile_ms is None else _finite(m.compile_ms),
         "host_bytes": {"pinned": m.host_pinned_bytes, "pageable": m.host_pageable_bytes},
         "gradients": {
             "max_rel_error": _finite(worst.error) if worst else 0.0,

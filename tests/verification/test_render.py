@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -117,7 +118,8 @@ def test_json_report_shape():
     data = json.loads(render_json(report()))
     assert list(data) == ["ok", "backend", "policy", "dtype", "steps", "mp_size",
                           "block_input_bytes", "blocks", "peak_bytes", "step_time_s",
-                          "host_bytes", "gradients", "verdicts"]
+                          "compile_ms", "host_bytes", "gradients", "verdicts"]
+    assert data["compile_ms"] is None  # nothing compiled
     assert data["ok"] is True
     assert data["policy"] == OFFLOAD.model_dump(mode="json")
     assert data["blocks"][:2] == [
@@ -176,3 +178,13 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
     with pytest.raises(VerifyError, match=r"^--plot needs matplotlib, which is not installed: "
                                           r"python -m pip install -e '\.\[plot\]' in the actcfg checkout$"):
         plot_memory(report(), tmp_path / "memory.png")
+
+
+def test_a_compiled_policy_says_its_warm_up_was_left_out_of_the_step_time():
+    """verify warms a `compile:` policy up before timing it; the report says how long compiling
+    took, so a reader knows the step time is the compiled steady state."""
+    m = dataclasses.replace(measured(), compile_ms=4321.0)
+    text = render_text(report(OFFLOAD, m))
+    assert "(median of 3, after compiling: 4.3 s of warm-up excluded)" in text
+    assert json.loads(render_json(report(OFFLOAD, m)))["compile_ms"] == 4321.0
+    assert "after compiling" not in render_text(report(OFFLOAD, measured()))

@@ -222,3 +222,19 @@ def test_a_residual_reusing_a_deepspeed_emptied_input_fails_the_gradient_promise
     grads = verdicts(report)["gradients"]
     assert not grads.ok
     assert grads.message.startswith("gradients differ from the plain run: "), grads.message
+
+
+def test_a_compiled_policy_is_timed_after_its_warm_up_and_counts_only_the_measured_steps():
+    """`compile:` in a rules policy (as `actcfg plan --compile` writes it): verify applies it
+    compiled, warms it up until its step time settles, times the steps after, and says how long
+    compiling took; the recompute count is per measured backward, not inflated by the warm-up."""
+    policy = {"version": 1,
+              "checkpoint": {"mode": "rules", "rules": [{"modules": ["Block"], "mode": "full",
+                                                         "cpu_checkpointing": True}]},
+              "compile": {"scope": "blocks", "backend": "aot_eager"}}
+    report = verify(block_stack, policy)
+    m = report.measurements
+    assert report.ok, render_text(report)
+    assert m.compile_ms is not None and m.compile_ms > 0
+    assert m.recomputes == len(m.blocks)  # six blocks, each recomputed once per measured backward
+    assert "after compiling:" in render_text(report)
