@@ -102,6 +102,11 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
                                    backward_peak=max(0, bwd), recompute_ms=recompute, extra_ms=recompute)
     turn_peaks = [r.step.turn_peak - sum(hold[c]) - copies[c][2]
                   for c, r in runs.items() if c in hold and (cuda or r.step.memory)] or [0]
+    # Per choice of the last block, its run's own turn: the head's start meets the last block's
+    # copies, its peak (logits, the loss) need not, so adding both to the largest turn counted
+    # a whole block twice (a CPU Llama of 8 layers: +32% over its measured offload run).
+    turn_by = {c: max(0, r.step.turn_peak - sum(hold[c]))
+               for c, r in runs.items() if c in hold and (cuda or r.step.memory)}
     measured = {c: {"step_ms": r.step.step_ms, "peak": r.step.peak} for c, r in runs.items()}
     plain_ms = ref.step.step_ms if not estimated_keep else ref.step.step_ms - sum(
         o["full"].recompute_ms for o in options)
@@ -111,6 +116,7 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
         plain_step_ms=plain_ms,
         plain_peak=0,
         turn_peak=max(0, max(turn_peaks)),
+        turn_peaks=turn_by,
         forward_after_ms=ref.step.forward_after_ms,
         backward_before_ms=ref.step.backward_before_ms,
         outside_peak=max([r.step.outside_peak for r in runs.values() if cuda or r.step.memory] or [0]),
@@ -142,6 +148,7 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
         blocks=tuple(BlockProfile(name, f, g, opts, ps)
                      for name, f, g, opts, ps in zip(names, forward_ms, backward_ms, options, parts)),
         plain_step_ms=base.plain_step_ms, plain_peak=0, turn_peak=base.turn_peak,
+        turn_peaks=base.turn_peaks,
         forward_after_ms=base.forward_after_ms, backward_before_ms=base.backward_before_ms,
         outside_peak=base.outside_peak,
         d2h_gbps=d2h, h2d_gbps=h2d, largest_storage=largest_storage,
@@ -150,7 +157,8 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
     plain_peak = int(runs["keep"].step.peak) if not estimated_keep and (cuda or runs["keep"].step.memory) \
         else predict(out, ("keep",) * n)[1]
     return Profile(blocks=out.blocks, plain_step_ms=out.plain_step_ms, plain_peak=plain_peak,
-                   turn_peak=out.turn_peak, forward_after_ms=out.forward_after_ms,
+                   turn_peak=out.turn_peak, turn_peaks=out.turn_peaks,
+                   forward_after_ms=out.forward_after_ms,
                    backward_before_ms=out.backward_before_ms, outside_peak=out.outside_peak,
                    d2h_gbps=d2h, h2d_gbps=h2d, largest_storage=largest_storage,
                    window_storages=window_storages, device=device, measured=measured, notes=out.notes)

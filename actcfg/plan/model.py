@@ -149,6 +149,11 @@ class Profile:
     largest_storage: int = 0
     """The largest storage a block saves (bytes): the offload engine's copy windows are counted
     in it (see `window_storages`)."""
+    turn_peaks: dict[str, int] = field(default_factory=dict)
+    """Per choice of the last block, the peak around the turn above what the blocks hold, as
+    that choice's uniform run measured it, the last block's copies in flight and reloads ahead
+    included (they meet the head's start, not necessarily its peak). A choice not here: its
+    copies at the turn added to `turn_peak`, the largest of the turns."""
     window_storages: int = 0
     """The engine's copy window, in `largest_storage`s, per `max_inflight` in forward (copies in
     flight) and per prefetch in backward (reloads ahead of their use): the engine copies storage

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from actcfg.errors import PlanError
-from actcfg.plan.model import OFFLOADS, Profile
+from actcfg.plan.model import CHOICE_OF, OFFLOADS, Profile
 from actcfg.runtime.reports import PlanReport, memory_size
 
 __all__ = ["MAX_FRONT", "Plan", "lowest_plan", "predict", "smallest_peak", "solve", "uniform_copies"]
@@ -187,12 +187,15 @@ class _Terms:
         (b = n: at the turn, as the head's backward unpacks what it saved). Whole blocks: block
         b-1's, started as block b's backward does. Storage by storage, the engine reloads the
         storages of the block in use and of the one below, newest first, within its backward
-        window (`window_storages` of the largest storage): block b's own and block b-1's share
-        it."""
+        window (`window_storages` of the largest storage), which block b's own storages share
+        with block b-1's until they are used: an offload without recompute uses its storages
+        one by one through its backward, a checkpoint's inputs are all used as its recompute
+        begins (then they are the block's own activations, in its `backward_peak`)."""
         below = self.moved(b - 1, p1) if b >= 1 else 0
         if not self.back_window:
             return below
-        own = self.moved(b, c) if b < self.n and c is not None else 0
+        base = _base(c)
+        own = self.moved(b, c) if b < self.n and base is not None and CHOICE_OF[base].mode == "none" else 0
         return min(below + own, self.back_window)
 
     def need(self, b: int, p2: str | None, p1: str | None, c: str) -> int:
@@ -203,11 +206,26 @@ class _Terms:
         return max(forward, backward)
 
     def turn(self, p2: str | None, p1: str | None) -> int:
-        """Bytes needed above S_n at the forward/backward turn: the copies in flight, or, with
-        the engine's window, the larger of those and the reloads ahead of the last block's
-        backward (they start as the head's backward unpacks what it saved)."""
+        """Bytes needed above S_n at the forward/backward turn: where the profile measured a
+        turn for the last block's choice, that turn and the copies of block n-2 still in flight
+        beside it (`turn_copies(..., own=False)`); else the largest turn with the copies."""
+        measured = self.p.turn_peaks.get(_base(p1)) if p1 is not None else None
+        if measured is None:
+            return self.turn_copies(p2, p1) + self.p.turn_peak
+        return self.turn_copies(p2, p1, own=False) + measured
+
+    def turn_copies(self, p2: str | None, p1: str | None, own: bool = True) -> int:
+        """Copies on the device at the turn: in flight, or, with the engine's window, the larger
+        of those and the reloads ahead of the last block's backward (they start as the head's
+        backward unpacks what it saved). `own=False`: only block n-2's copy, which the last
+        block's uniform run did not have beside its own."""
+        if not own:
+            if self.offloads(p1):  # the last offloaded block: at most max_inflight - 1 beside it
+                two = self.running(self.n - 2, p2, self.f[self.n - 1]) if self.n >= 2 else 0
+                return min(two, self.largest or two) if self.m >= 2 else 0
+            return self.inflight(self.n, p2, p1)
         ahead = self.reload_ahead(self.n, p1) if self.back_window else 0
-        return max(self.inflight(self.n, p2, p1), ahead) + self.p.turn_peak
+        return max(self.inflight(self.n, p2, p1), ahead)
 
     def exposed(self, b: int, c: str, after: str | None) -> float:
         """Copy time of block b (choice c) that nothing hides, given the next block's choice."""
@@ -255,7 +273,7 @@ def uniform_copies(profile: Profile, choice: str) -> tuple[list[int], list[int],
     labels: list[str | None] = [None, None, *_labels([choice] * t.n)]  # labels[b + 2]: block b's
     forward = [t.inflight(b, labels[b], labels[b + 1], labels[b + 2]) for b in range(t.n)]
     backward = [t.reload_ahead(b, labels[b + 1], labels[b + 2]) for b in range(t.n)]
-    return forward, backward, t.turn(labels[t.n], labels[t.n + 1]) - profile.turn_peak
+    return forward, backward, t.turn_copies(labels[t.n], labels[t.n + 1])
 
 
 def predict(profile: Profile, choices: tuple[str, ...] | list[str], max_inflight: int = 1) -> tuple[float, int]:
