@@ -7,11 +7,18 @@ the sum of their `held`; M_b: bytes block b copies each way; d_b, h_b: those cop
 
 * peak = the largest of what runs outside the blocks (`outside_peak`) and, for every block b,
   its forward (S_b + in flight + `forward_peak`) and
-  its backward (S_b + M_{b-1} if block b-1 is offloaded, its reload starting when b's backward
-  does, + `backward_peak`), and the turn (S_n + in flight + the profile's `turn_peak`). In
-  flight during b's forward: block b-1's copy, and block b-2's if it is still running (its
-  copy is longer than block b-1's forward, and nothing waited for it: with `max_inflight` 1 the
-  launch at the end of an offloaded block b-1 waits for it).
+  its backward (S_b + reloads ahead of their use + `backward_peak`), and the turn (S_n + the
+  turn the profile measured with the last block's choice, `turn_peaks`, + block n-2's copy if
+  still in flight). The copies follow the engine's schedule: every offloaded block but the
+  last leaves storage by storage, at most W = `window_storages` x `largest_storage` x
+  `max_inflight` bytes in flight; the last offloaded block (the group that stays for backward)
+  holds its storages to its end and leaves whole, with at most one copy in flight under it. In
+  flight during b's forward: block b-1's copy (within W, or whole for the last offloaded
+  block), and block b-2's if it is still running (its copy is longer than block b-1's forward,
+  and nothing waited for it); a copy that takes no time (the host loopback's) is done at once.
+  Reloads ahead during b's backward: block b-1's storages, and b's own where it offloads
+  without recompute, within `window_storages` x `largest_storage` (one prefetch). A profile
+  without the window (W = 0) counts whole blocks, as the engine's first step copies them.
 * step time = the plain step + each block's `extra_ms` (recompute, and what its uniform run
   measured beyond this model) + the copy time nothing hides: a block's copy to the host hides
   behind the forward of the blocks up to the next launch that must wait for it (the next
