@@ -12,7 +12,8 @@ the sum of their `held`; M_b: bytes block b copies each way; d_b, h_b: those cop
   still in flight). The copies follow the engine's schedule: every offloaded block but the
   last leaves storage by storage, at most W = `window_storages` x `largest_storage` x
   `max_inflight` bytes in flight; the last offloaded block (the group that stays for backward)
-  holds its storages to its end and leaves whole, with at most one copy in flight under it. In
+  holds its storages to its end (its forward peaks as its on-device twin's) and leaves whole,
+  with at most one copy in flight under it. In
   flight during b's forward: block b-1's copy (within W, or whole for the last offloaded
   block), and block b-2's if it is still running (its copy is longer than block b-1's forward,
   and nothing waited for it); a copy that takes no time (the host loopback's) is done at once.
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from actcfg.errors import PlanError
-from actcfg.plan.model import CHOICE_OF, OFFLOADS, Profile
+from actcfg.plan.model import CHOICE_OF, COUNTERPART, OFFLOADS, Profile
 from actcfg.runtime.reports import PlanReport, memory_size
 
 __all__ = ["MAX_FRONT", "Plan", "lowest_plan", "predict", "smallest_peak", "solve", "uniform_copies"]
@@ -205,10 +206,19 @@ class _Terms:
         own = self.moved(b, c) if b < self.n and base is not None and CHOICE_OF[base].mode == "none" else 0
         return min(below + own, self.back_window)
 
+    def forward_peak(self, b: int, c: str) -> int:
+        """Block b's own forward peak. The last offloaded block leaves only at its end, so in its
+        forward it holds what its on-device twin holds (keep's activations, full's input); every
+        other offloaded block's storages leave as they are saved, as its uniform run measured."""
+        twin = COUNTERPART.get(_base(c) or "")
+        if self.window and _last(c) and twin in self.p.blocks[b].options:
+            return self.p.blocks[b].options[twin].forward_peak
+        return self.opt(b, c).forward_peak
+
     def need(self, b: int, p2: str | None, p1: str | None, c: str) -> int:
         """Bytes block b needs above S (the larger of its forward and backward peaks)."""
         o = self.opt(b, c)
-        forward = self.inflight(b, p2, p1, c) + o.forward_peak
+        forward = self.inflight(b, p2, p1, c) + self.forward_peak(b, c)
         backward = self.reload_ahead(b, p1, c) + o.backward_peak
         return max(forward, backward)
 

@@ -323,6 +323,12 @@ def test_the_copy_terms_follow_the_engines_storage_by_storage_window():
     assert predict(windowed, every, max_inflight=2)[1] == 8 + 8  # twice the window
     # the last offloaded block's whole copy is in flight while the next one runs
     assert predict(windowed, ("offload", "offload", "keep"))[1] == 10 + 8
+    # the last offloaded block holds its storages to its end: in forward it peaks as kept
+    holds = {"keep": Option(held=0, forward_peak=20),
+             "offload": Option(held=0, moved=10, forward_peak=8, extra_ms=1.0)}
+    last = dataclasses.replace(_profile([holds] * 3, turn=0), largest_storage=2, window_storages=2)
+    assert predict(last, every)[1] == 2 + 20  # one storage of block 1's beside it
+    assert predict(last, ("offload", "keep", "keep"))[1] == 10 + 20  # block 0's whole copy at block 1
     # backward: the reloads of the block below and a block's own share one window
     reload = {"keep": Option(held=0, backward_peak=8),
               "offload": Option(held=0, moved=10, backward_peak=8, extra_ms=1.0)}
