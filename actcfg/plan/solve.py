@@ -269,6 +269,11 @@ class _Terms:
     def cost(self, b: int, c: str) -> float:
         return self.opt(b, c).extra_ms
 
+    def as_before_last(self, c: str | None) -> str | None:
+        """The choice of block b-2 as the terms read it: only an offload's copy reaches two blocks
+        on, so every other choice is one state of the dynamic program (None)."""
+        return c if self.offloads(c) else None
+
     def labelled(self, c: str, phase: int) -> list[tuple[str, int]]:
         """The labels choice c may take after `phase`, each with the phase after it. Phases: 0
         nothing offloaded yet, 1 offloaded and the last offloaded block still to come, 2 the
@@ -358,7 +363,7 @@ def _fastest(profile: Profile, budget: int, max_inflight: int,
                         continue
                     o = t.opt(b, c)
                     dt = t.cost(b, c) + (t.exposed(b - 1, p1, c) if b >= 1 else 0.0)
-                    out = new.setdefault((p1, c, after), [])
+                    out = new.setdefault((t.as_before_last(p1), c, after), [])
                     for e in entries:  # sorted by held: past `room`, none fits
                         if e[0] > room:
                             break
@@ -402,7 +407,7 @@ def lowest_plan(profile: Profile, max_inflight: int = 1) -> tuple[int, tuple[str
             for choice in choices:
                 for c, after in t.labelled(choice, phase):
                     need, held = t.need(b, p2, p1, c), t.opt(b, c).held
-                    new.setdefault((p1, c, after), []).extend(
+                    new.setdefault((t.as_before_last(p1), c, after), []).extend(
                         (s + held, max(pk, s + need), cs + (choice,)) for s, pk, cs in entries)
         fronts = {}
         for k, v in new.items():
