@@ -120,6 +120,10 @@ def reduce_profiles(profiles: Sequence[Profile]) -> Profile:
         plain_step_ms=max(p.plain_step_ms for p in profiles),
         plain_peak=max(p.plain_peak for p in profiles),
         turn_peak=max(p.turn_peak for p in profiles),
+        turn_peaks={c: max(p.turn_peaks[c] for p in profiles) for c in first.turn_peaks
+                    if all(c in p.turn_peaks for p in profiles)},
+        largest_storage=max(p.largest_storage for p in profiles),
+        window_storages=max(p.window_storages for p in profiles),
         forward_after_ms=min(p.forward_after_ms for p in profiles),
         backward_before_ms=min(p.backward_before_ms for p in profiles),
         outside_peak=max(p.outside_peak for p in profiles),

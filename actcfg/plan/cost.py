@@ -33,18 +33,20 @@ def _memory_notes(runs: dict[str, Run], cuda: bool) -> list[str]:
         return []
     out = ["memory on the CPU is the bytes of live tensor storages (`LiveBytes`), not an "
            "allocator's: no caching, no fragmentation"]
-    guessed = [c for c, r in runs.items() if not r.step.memory]  # on the CPU: the offloads
+    guessed = [c for c, r in runs.items() if not r.step.memory]  # on the CPU: compiled runs
     if guessed:
-        out.append(f"{', '.join(guessed)}: their host copies are CPU tensors on the CPU, so their "
-                   "peaks are estimated from the counted saved bytes")
+        out.append(f"{', '.join(guessed)}: compiled graphs run below the dispatch mode that counts "
+                   "live bytes on the CPU, so their peaks are estimated from the counted saved bytes")
     return out
 
 
 def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run], device: str,
               d2h: float, h2d: float, notes: list[str], *,
-              parts: list[tuple[str, ...]] | None = None) -> Profile:
+              parts: list[tuple[str, ...]] | None = None, largest_storage: int = 0,
+              window_storages: int = 0) -> Profile:
     """The profile from the byte counts and the uniform runs (see `Option` for each term);
-    `parts` names each block's parts (`checkpoint.submodules`)."""
+    `parts` names each block's parts (`checkpoint.submodules`); `largest_storage` and
+    `window_storages` state the offload engine's copy window (see `Profile`)."""
     n = len(names)
     parts = parts or [()] * n
     cuda = device == "cuda"
@@ -74,7 +76,8 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
         blocks=tuple(BlockProfile(name, f, 0.0, {c: Option(held=0, moved=moved[c][b]) for c in CHOICES})
                      for b, (name, f) in enumerate(zip(names, forward_ms))),
         plain_step_ms=0.0, plain_peak=0, turn_peak=0, forward_after_ms=0.0, backward_before_ms=0.0,
-        d2h_gbps=d2h, h2d_gbps=h2d, device=device)
+        d2h_gbps=d2h, h2d_gbps=h2d, largest_storage=largest_storage,
+        window_storages=window_storages, device=device)
     copies = {c: uniform_copies(copies_only, c) for c in CHOICES}
 
     options: list[dict[str, Option]] = [{} for _ in range(n)]
@@ -87,7 +90,7 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
                 bwd = source.step.backward_peak[b] - before(ran, b) - copies[ran][1][b]
                 if ran != c:
                     fwd += hold["keep"][b] - hold["full"][b]
-            else:  # not read (an offload on the CPU): its activations while it runs, and again in backward
+            else:  # not read (compiled on the CPU): its activations while it runs, and again in backward
                 fwd = hold["keep"][b]
                 bwd = hold["keep"][b] + hold[c][b] + moved[c][b]
             if CHOICE_OF[c].mode != "none":  # recomputes: as its on-device twin's run measured
@@ -99,6 +102,11 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
                                    backward_peak=max(0, bwd), recompute_ms=recompute, extra_ms=recompute)
     turn_peaks = [r.step.turn_peak - sum(hold[c]) - copies[c][2]
                   for c, r in runs.items() if c in hold and (cuda or r.step.memory)] or [0]
+    # Per choice of the last block, its run's own turn: the head's start meets the last block's
+    # copies, its peak (logits, the loss) need not, so adding both to the largest turn counted
+    # a whole block twice (a CPU Llama of 8 layers: +32% over its measured offload run).
+    turn_by = {c: max(0, r.step.turn_peak - sum(hold[c]))
+               for c, r in runs.items() if c in hold and (cuda or r.step.memory)}
     measured = {c: {"step_ms": r.step.step_ms, "peak": r.step.peak} for c, r in runs.items()}
     plain_ms = ref.step.step_ms if not estimated_keep else ref.step.step_ms - sum(
         o["full"].recompute_ms for o in options)
@@ -108,10 +116,12 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
         plain_step_ms=plain_ms,
         plain_peak=0,
         turn_peak=max(0, max(turn_peaks)),
+        turn_peaks=turn_by,
         forward_after_ms=ref.step.forward_after_ms,
         backward_before_ms=ref.step.backward_before_ms,
         outside_peak=max([r.step.outside_peak for r in runs.values() if cuda or r.step.memory] or [0]),
-        d2h_gbps=d2h, h2d_gbps=h2d, device=device, measured=measured,
+        d2h_gbps=d2h, h2d_gbps=h2d, largest_storage=largest_storage,
+        window_storages=window_storages, device=device, measured=measured,
         notes=tuple(notes) + tuple(_memory_notes(runs, cuda)),
     )
     # Each choice's uniform run, beyond what the model predicts for it, is spread over its blocks
@@ -138,14 +148,17 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
         blocks=tuple(BlockProfile(name, f, g, opts, ps)
                      for name, f, g, opts, ps in zip(names, forward_ms, backward_ms, options, parts)),
         plain_step_ms=base.plain_step_ms, plain_peak=0, turn_peak=base.turn_peak,
+        turn_peaks=base.turn_peaks,
         forward_after_ms=base.forward_after_ms, backward_before_ms=base.backward_before_ms,
         outside_peak=base.outside_peak,
-        d2h_gbps=d2h, h2d_gbps=h2d, device=device, measured=measured, notes=base.notes,
+        d2h_gbps=d2h, h2d_gbps=h2d, largest_storage=largest_storage,
+        window_storages=window_storages, device=device, measured=measured, notes=base.notes,
     )
     plain_peak = int(runs["keep"].step.peak) if not estimated_keep and (cuda or runs["keep"].step.memory) \
         else predict(out, ("keep",) * n)[1]
     return Profile(blocks=out.blocks, plain_step_ms=out.plain_step_ms, plain_peak=plain_peak,
-                   turn_peak=out.turn_peak, forward_after_ms=out.forward_after_ms,
+                   turn_peak=out.turn_peak, turn_peaks=out.turn_peaks,
+                   forward_after_ms=out.forward_after_ms,
                    backward_before_ms=out.backward_before_ms, outside_peak=out.outside_peak,
-                   d2h_gbps=d2h, h2d_gbps=h2d,
-                   device=device, measured=measured, notes=out.notes)
+                   d2h_gbps=d2h, h2d_gbps=h2d, largest_storage=largest_storage,
+                   window_storages=window_storages, device=device, measured=measured, notes=out.notes)

@@ -146,6 +146,19 @@ class Profile:
     """Copy bandwidth to the host, pinned, GB/s (0: offload not profiled)."""
     h2d_gbps: float = 0.0
     """Copy bandwidth back to the device, pinned, GB/s."""
+    largest_storage: int = 0
+    """The largest storage a block saves (bytes): the offload engine's copy windows are counted
+    in it (see `window_storages`)."""
+    turn_peaks: dict[str, int] = field(default_factory=dict)
+    """Per choice of the last block, the peak around the turn above what the blocks hold, as
+    that choice's uniform run measured it, the last block's copies in flight and reloads ahead
+    included (they meet the head's start, not necessarily its peak). A choice not here: its
+    copies at the turn added to `turn_peak`, the largest of the turns."""
+    window_storages: int = 0
+    """The engine's copy window, in `largest_storage`s, per `max_inflight` in forward (copies in
+    flight) and per prefetch in backward (reloads ahead of their use): the engine copies storage
+    by storage within it (`actcfg.runtime.offload.WINDOW_STORAGES`); 0: unknown, whole blocks
+    in flight."""
     device: str = "cuda"
     """`cuda`: measured; `cpu`: times are wall-clock and memory is counted, not measured."""
     measured: dict[str, dict[str, float]] = field(default_factory=dict)

@@ -53,10 +53,19 @@ class LiveBytes:
                 out = func(*args, **(kwargs or {}))
                 live = meter._live
                 swept = False
+                # A storage one of the op's inputs already has (a view, an op that wrote in
+                # place or into `out=`) is nothing new, even if it was made before `start`:
+                # a parameter's `.t()` in every Linear would otherwise count the weights as
+                # activations, held until the step ends (3 block inputs per Llama layer of
+                # hidden 128, on top of the 1 a checkpointed layer keeps).
+                given = {t.untyped_storage().data_ptr()
+                         for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
                 for t in tree_flatten(out)[0]:
                     if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                         storage = t.untyped_storage()
                         key = storage.data_ptr()
+                        if key in given:
+                            continue
                         known = live.get(key)
                         if known is not None and not meter._expired(known[0].cdata):
                             continue  # a view, or an op that wrote in place: nothing new

@@ -19,8 +19,9 @@ graphs are built; the time that takes is reported apart (`Profile.compile_ms`), 
 which dynamo built no graph is refused.
 
 On the CPU (tests, or `apply` of a CPU model) the same runs happen, timed with wall-clock hooks;
-memory is the bytes of live tensor storages (`actcfg.plan.probe.LiveBytes`), except for offload
-choices, whose "host" copies are CPU tensors there: their peaks are estimated from the counted
+memory is the bytes of live tensor storages (`actcfg.plan.probe.LiveBytes`), offload choices on
+the host loopback included (their "host" copies go into the engine's pool buffers, made in the
+warm-up step, which the meter does not count); compiled runs are estimated from the counted
 bytes (see `Profile.notes`). Offload choices are profiled only where offloading runs (CUDA, or
 the host loopback).
 """
@@ -45,7 +46,7 @@ from actcfg.runtime.torch_applier import resolve_ops
 from actcfg.runtime.wrap import select_modules
 from actcfg.errors import ActcfgError, PlanError
 from actcfg.runtime.compiling import warm_up
-from actcfg.runtime.offload import OffloadWarning, loopback_enabled
+from actcfg.runtime.offload import WINDOW_STORAGES, OffloadWarning, loopback_enabled
 from actcfg.plan.cost import Run, assemble
 from actcfg.plan.parts import find_parts
 from actcfg.plan.model import CHOICE_OF, CHOICES, OFFLOADS, Profile
@@ -243,7 +244,8 @@ def profile(
         with torch.enable_grad():
             try:
                 with _compiling(spent, compiled), _trial(model, names, compile, pin, pin_budget, apply):
-                    held = {"keep": saved_bytes(model, blocks, args, kwargs)}
+                    largest = [0] * len(blocks)
+                    held = {"keep": saved_bytes(model, blocks, args, kwargs, largest=largest)}
             except torch.cuda.OutOfMemoryError:
                 oom = True
             else:
@@ -270,11 +272,13 @@ def profile(
                 held["selective"] = [s + o for s, o in zip(held["selective"], outputs)]
             for choice in wanted:
                 try:
-                    # On the CPU an offload's "host" copies are CPU tensors: its bytes are
-                    # counted by the engine, not by the meter (see `Meter`). Compiled graphs run
+                    # On the host loopback an offload's "host" copies are CPU tensors too, but
+                    # they go into the engine's pool buffers, made in the warm-up step before
+                    # the meter starts and written in place after, which `LiveBytes` does not
+                    # count: what it counts is what the device side holds. Compiled graphs run
                     # below the Python dispatch mode that counts live bytes, so a compiled CPU
-                    # run is estimated from its counted bytes too (CUDA measures either way).
-                    meter = Meter(device, count=not CHOICE_OF[choice].offload and not compiled)
+                    # run is estimated from its counted bytes (CUDA measures either way).
+                    meter = Meter(device, count=not compiled)
                     runs[choice] = _run(model, blocks, names, choice, args, kwargs, loss, apply,
                                         meter, steps, pin, pin_budget, taken(choice), compile,
                                         spent)
@@ -303,7 +307,10 @@ def profile(
             "under torch.compile, and torch.compile built no graph in it (dynamo ran the model "
             "eagerly): the plan would say nothing about the compiled run; run with "
             "TORCH_LOGS=recompiles,graph_breaks to see why, or remove `compile`")
-    profiled = assemble(names, held, runs, device.type, d2h, h2d, notes, parts=part_names)
+    offloaded = any(c in runs for c in OFFLOADS)
+    profiled = assemble(names, held, runs, device.type, d2h, h2d, notes, parts=part_names,
+                        largest_storage=max(largest, default=0) if offloaded else 0,
+                        window_storages=WINDOW_STORAGES if offloaded else 0)
     compile_ms = sum(spent)
     total_ms = (time.perf_counter() - started) * 1000.0
     return dataclasses.replace(

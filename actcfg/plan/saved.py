@@ -59,10 +59,35 @@ class _Attribution:
             h.remove()
 
 
+class _Storages:
+    """Storages counted so far, each once while it lives. An address alone is not a storage: a
+    saved op output the plain forward frees (Llama's q, k, o and down projections: the next op
+    saves only its other operand) leaves its address to the next allocation, which the CUDA
+    allocator (and the CPU's) hands out at once; keyed by address only, that next storage was
+    taken for the freed one and never counted (on the CPU's tiny Llama, one block input per
+    layer of what `selective` keeps)."""
+
+    def __init__(self) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self._ref = StorageWeakRef
+        self._expired = torch.UntypedStorage._expired  # type: ignore[attr-defined]
+        self._seen: dict[int, Any] = {}
+
+    def add(self, storage: torch.UntypedStorage) -> bool:
+        """True when `storage` is new (and now counted); False when it was counted already."""
+        key = storage.data_ptr()
+        known = self._seen.get(key)
+        if known is not None and not self._expired(known.cdata):
+            return False
+        self._seen[key] = self._ref(storage)
+        return True
+
+
 class _OpOutputs(TorchDispatchMode):
     """Adds the storage bytes of every output of `ops` to the running candidate's count."""
 
-    def __init__(self, ops: set[Any], where: _Attribution, out: list[int], seen: set[int]) -> None:
+    def __init__(self, ops: set[Any], where: _Attribution, out: list[int], seen: _Storages) -> None:
         super().__init__()
         self.ops, self.where, self.out, self.seen = ops, where, out, seen
 
@@ -73,29 +98,32 @@ class _OpOutputs(TorchDispatchMode):
             for t in tree_flatten(result)[0]:
                 if isinstance(t, torch.Tensor):
                     storage = t.untyped_storage()
-                    if storage.nbytes() and storage.data_ptr() not in self.seen:
-                        self.seen.add(storage.data_ptr())
+                    if storage.nbytes() and self.seen.add(storage):
                         self.out[i] += storage.nbytes()
         return result
 
 
 def saved_bytes(model: nn.Module, modules: Sequence[nn.Module], args: tuple[Any, ...],
-                kwargs: dict[str, Any], save_ops: Sequence[Any] = ()) -> list[int]:
+                kwargs: dict[str, Any], save_ops: Sequence[Any] = (),
+                largest: list[int] | None = None) -> list[int]:
     """Bytes of the storages autograd saves inside each module's forward (its first call; each
     storage counted once, parameters and leaves that require grad left out); with `save_ops`,
     the bytes of those ops' outputs there instead (what selective checkpointing keeps besides
-    the inputs: up to torch 2.13 they bypass saved-tensor hooks). One forward, graph dropped."""
+    the inputs: up to torch 2.13 they bypass saved-tensor hooks). One forward, graph dropped.
+    `largest`, when given (one entry per module), gets each module's largest storage counted:
+    the unit of the offload engine's copy window."""
     where = _Attribution(modules)
     out = [0] * len(modules)
-    seen: set[int] = set()
+    seen = _Storages()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         i = where.current
         if i is not None and not save_ops and counted(t):
             storage = t.untyped_storage()
-            if storage.nbytes() and storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
+            if storage.nbytes() and seen.add(storage):
                 out[i] += storage.nbytes()
+                if largest is not None:
+                    largest[i] = max(largest[i], storage.nbytes())
         # Never `t` itself: an op that saves its own output (tanh, gelu, sdpa) would then hold
         # that output through its own grad_fn, a cycle inside autograd's C++ that gc cannot
         # see, and this forward (never followed by backward) would keep everything it saved.

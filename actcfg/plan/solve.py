@@ -7,11 +7,19 @@ the sum of their `held`; M_b: bytes block b copies each way; d_b, h_b: those cop
 
 * peak = the largest of what runs outside the blocks (`outside_peak`) and, for every block b,
   its forward (S_b + in flight + `forward_peak`) and
-  its backward (S_b + M_{b-1} if block b-1 is offloaded, its reload starting when b's backward
-  does, + `backward_peak`), and the turn (S_n + in flight + the profile's `turn_peak`). In
-  flight during b's forward: block b-1's copy, and block b-2's if it is still running (its
-  copy is longer than block b-1's forward, and nothing waited for it: with `max_inflight` 1 the
-  launch at the end of an offloaded block b-1 waits for it).
+  its backward (S_b + reloads ahead of their use + `backward_peak`), and the turn (S_n + the
+  turn the profile measured with the last block's choice, `turn_peaks`, + block n-2's copy if
+  still in flight). The copies follow the engine's schedule: every offloaded block but the
+  last leaves storage by storage, at most W = `window_storages` x `largest_storage` x
+  `max_inflight` bytes in flight; the last offloaded block (the group that stays for backward)
+  holds its storages to its end (its forward peaks as its on-device twin's) and leaves whole,
+  with at most one copy in flight under it. In
+  flight during b's forward: block b-1's copy (within W, or whole for the last offloaded
+  block), and block b-2's if it is still running (its copy is longer than block b-1's forward,
+  and nothing waited for it); a copy that takes no time (the host loopback's) is done at once.
+  Reloads ahead during b's backward: block b-1's storages, and b's own where it offloads
+  without recompute, within `window_storages` x `largest_storage` (one prefetch). A profile
+  without the window (W = 0) counts whole blocks, as the engine's first step copies them.
 * step time = the plain step + each block's `extra_ms` (recompute, and what its uniform run
   measured beyond this model) + the copy time nothing hides: a block's copy to the host hides
   behind the forward of the blocks up to the next launch that must wait for it (the next
@@ -35,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from actcfg.errors import PlanError
-from actcfg.plan.model import OFFLOADS, Profile
+from actcfg.plan.model import CHOICE_OF, COUNTERPART, OFFLOADS, Profile
 from actcfg.runtime.reports import PlanReport, memory_size
 
 __all__ = ["MAX_FRONT", "Plan", "lowest_plan", "predict", "smallest_peak", "solve", "uniform_copies"]
@@ -97,8 +105,32 @@ class Plan:
                 "step_ms": self.step_ms, "peak": self.peak, "budget": self.budget}
 
 
+LAST = "!"
+"""Marks, inside the model, an offload choice on the last block that offloads (`full_offload!`):
+the engine copies that block whole at its end (it opens as the group that stays for backward)
+and every earlier offloaded block storage by storage, so the copy terms differ. Never in a
+plan's choices."""
+
+
+def _base(c: str | None) -> str | None:
+    return c[:-len(LAST)] if c is not None and c.endswith(LAST) else c
+
+
+def _last(c: str | None) -> bool:
+    return c is not None and c.endswith(LAST)
+
+
+def _labels(choices: tuple[str, ...] | list[str]) -> list[str]:
+    """`choices` with the last offloaded block marked (see `LAST`)."""
+    out = list(choices)
+    offloaded = [i for i, c in enumerate(out) if c in OFFLOADS]
+    if offloaded:
+        out[offloaded[-1]] += LAST
+    return out
+
+
 class _Terms:
-    """The model's terms for one profile and one `max_inflight`."""
+    """The model's terms for one profile and one `max_inflight`. Choices may carry `LAST`."""
 
     def __init__(self, profile: Profile, max_inflight: int) -> None:
         self.p = profile
@@ -106,12 +138,20 @@ class _Terms:
         self.n = len(profile.blocks)
         self.f = [b.forward_ms for b in profile.blocks]
         self.g = [b.backward_ms for b in profile.blocks]
+        # The engine's windows in bytes (0: unknown, whole blocks in flight): copies in flight
+        # in forward, per max_inflight; reloads ahead of their use in backward (prefetch 1).
+        self.largest = profile.largest_storage if profile.window_storages else 0
+        self.back_window = profile.window_storages * self.largest
+        self.window = max_inflight * self.back_window
 
     def opt(self, b: int, c: str) -> Any:
-        return self.p.blocks[b].options[c]
+        return self.p.blocks[b].options[_base(c)]
+
+    def offloads(self, c: str | None) -> bool:
+        return _base(c) in OFFLOADS
 
     def moved(self, b: int, c: str | None) -> int:
-        return self.opt(b, c).moved if c in OFFLOADS else 0
+        return self.opt(b, c).moved if self.offloads(c) else 0
 
     def d2h(self, b: int, c: str | None) -> float:
         return self.p.copy_ms(self.moved(b, c), to_host=True)
@@ -119,32 +159,94 @@ class _Terms:
     def h2d(self, b: int, c: str | None) -> float:
         return self.p.copy_ms(self.moved(b, c), to_host=False)
 
-    def inflight(self, b: int, p2: str | None, p1: str | None) -> int:
-        """Copies still on the device while block b runs forward (b = n: at the turn)."""
-        out = self.moved(b - 1, p1) if b >= 1 else 0
-        if b >= 2 and p2 in OFFLOADS and (self.m >= 2 or p1 not in OFFLOADS):
-            if self.d2h(b - 2, p2) > self.f[b - 1]:
-                out += self.moved(b - 2, p2)
-        return out
+    def running(self, b: int, c: str | None, after_ms: float) -> int:
+        """Bytes of block b's copy (choice c) still on the device `after_ms` of compute after its
+        launch: all of them while it runs (the peak may come anywhere in that compute). A copy
+        that takes no time (the host loopback's are synchronous) gives its memory back at the
+        next saved tensor: storage by storage that is the block's own newest storage, which its
+        measured forward holds; the last offloaded block's whole copy, launched at its end, is
+        still there while the next op makes its output."""
+        t = self.d2h(b, c)
+        if t > after_ms or (after_ms == 0 and (_last(c) or not self.window)):
+            return self.moved(b, c)
+        return 0
 
-    def reload_below(self, b: int, p1: str | None) -> int:
-        """The reload of block b-1, started when block b's backward does (b = 0: none)."""
-        return self.moved(b - 1, p1) if b >= 1 else 0
+    def inflight(self, b: int, p2: str | None, p1: str | None, c: str | None = None) -> int:
+        """Copies still on the device while block b (choice c) runs forward (b = n: at the turn).
+
+        Block b-1's copy was launched as block b began (the last one of its storages, or, for
+        the last offloaded block, all of it); block b-2's is still there if it outlasts block
+        b-1's forward and nothing waited for it. Storage by storage, the engine keeps at most
+        its window in flight (`window_storages` of the largest storage, per max_inflight), and
+        under the last offloaded block, which holds its own storages to its end, one copy."""
+        one = self.running(b - 1, p1, 0.0) if b >= 1 else 0
+        two = self.running(b - 2, p2, self.f[b - 1]) if b >= 2 else 0
+        if not self.window:  # whole blocks (a profile without the engine's window)
+            return one + (two if self.m >= 2 or not self.offloads(p1) else 0)
+        if _last(p1):  # launched whole; at most max_inflight - 1 earlier copies beside it
+            return one + (min(two, self.largest) if self.m >= 2 else 0)
+        if _last(p2) and not self.offloads(p1):
+            return two
+        out = min(one + two, self.window)
+        return min(out, self.largest) if _last(c) else out
+
+    def reload_ahead(self, b: int, p1: str | None, c: str | None = None) -> int:
+        """Reloads on the device ahead of their use while block b (choice c) runs backward
+        (b = n: at the turn, as the head's backward unpacks what it saved). Whole blocks: block
+        b-1's, started as block b's backward does. Storage by storage, the engine reloads the
+        storages of the block in use and of the one below, newest first, within its backward
+        window (`window_storages` of the largest storage), which block b's own storages share
+        with block b-1's until they are used: an offload without recompute uses its storages
+        one by one through its backward, a checkpoint's inputs are all used as its recompute
+        begins (then they are the block's own activations, in its `backward_peak`)."""
+        below = self.moved(b - 1, p1) if b >= 1 else 0
+        if not self.back_window:
+            return below
+        base = _base(c)
+        own = self.moved(b, c) if b < self.n and base is not None and CHOICE_OF[base].mode == "none" else 0
+        return min(below + own, self.back_window)
+
+    def forward_peak(self, b: int, c: str) -> int:
+        """Block b's own forward peak. The last offloaded block leaves only at its end, so in its
+        forward it holds what its on-device twin holds (keep's activations, full's input); every
+        other offloaded block's storages leave as they are saved, as its uniform run measured."""
+        twin = COUNTERPART.get(_base(c) or "")
+        if self.window and _last(c) and twin in self.p.blocks[b].options:
+            return self.p.blocks[b].options[twin].forward_peak
+        return self.opt(b, c).forward_peak
 
     def need(self, b: int, p2: str | None, p1: str | None, c: str) -> int:
         """Bytes block b needs above S (the larger of its forward and backward peaks)."""
         o = self.opt(b, c)
-        forward = self.inflight(b, p2, p1) + o.forward_peak
-        backward = self.reload_below(b, p1) + o.backward_peak
+        forward = self.inflight(b, p2, p1, c) + self.forward_peak(b, c)
+        backward = self.reload_ahead(b, p1, c) + o.backward_peak
         return max(forward, backward)
 
     def turn(self, p2: str | None, p1: str | None) -> int:
-        """Bytes needed above S_n at the forward/backward turn."""
-        return self.inflight(self.n, p2, p1) + self.p.turn_peak
+        """Bytes needed above S_n at the forward/backward turn: where the profile measured a
+        turn for the last block's choice, that turn and the copies of block n-2 still in flight
+        beside it (`turn_copies(..., own=False)`); else the largest turn with the copies."""
+        measured = self.p.turn_peaks.get(_base(p1)) if p1 is not None else None
+        if measured is None:
+            return self.turn_copies(p2, p1) + self.p.turn_peak
+        return self.turn_copies(p2, p1, own=False) + measured
+
+    def turn_copies(self, p2: str | None, p1: str | None, own: bool = True) -> int:
+        """Copies on the device at the turn: in flight, or, with the engine's window, the larger
+        of those and the reloads ahead of the last block's backward (they start as the head's
+        backward unpacks what it saved). `own=False`: only block n-2's copy, which the last
+        block's uniform run did not have beside its own."""
+        if not own:
+            if self.offloads(p1):  # the last offloaded block: at most max_inflight - 1 beside it
+                two = self.running(self.n - 2, p2, self.f[self.n - 1]) if self.n >= 2 else 0
+                return min(two, self.largest or two) if self.m >= 2 else 0
+            return self.inflight(self.n, p2, p1)
+        ahead = self.reload_ahead(self.n, p1) if self.back_window else 0
+        return max(self.inflight(self.n, p2, p1), ahead)
 
     def exposed(self, b: int, c: str, after: str | None) -> float:
         """Copy time of block b (choice c) that nothing hides, given the next block's choice."""
-        if c not in OFFLOADS:
+        if not self.offloads(c):
             return 0.0
         n = self.n
         if b + 1 < n:
@@ -158,7 +260,7 @@ class _Terms:
             # The next launch that waits for this copy: at the end of the next block if it
             # offloads (with max_inflight 1), else no earlier than the end of the one after.
             f2 = self.f[b + 2] if b + 2 < n else self.p.forward_after_ms
-            if after not in OFFLOADS:
+            if not self.offloads(after):
                 window = f1 + f2
             elif self.m >= 2:
                 window = max(f1, f1 + f2 - self.d2h(b + 1, after))
@@ -167,19 +269,33 @@ class _Terms:
     def cost(self, b: int, c: str) -> float:
         return self.opt(b, c).extra_ms
 
+    def as_before_last(self, c: str | None) -> str | None:
+        """The choice of block b-2 as the terms read it: only an offload's copy reaches two blocks
+        on, so every other choice is one state of the dynamic program (None)."""
+        return c if self.offloads(c) else None
+
+    def labelled(self, c: str, phase: int) -> list[tuple[str, int]]:
+        """The labels choice c may take after `phase`, each with the phase after it. Phases: 0
+        nothing offloaded yet, 1 offloaded and the last offloaded block still to come, 2 the
+        last offloaded block placed (no offload after it)."""
+        if c not in OFFLOADS:
+            return [(c, phase)]
+        if phase == 2:
+            return []
+        return [(c, 1), (c + LAST, 2)]
+
 
 def uniform_copies(profile: Profile, choice: str) -> tuple[list[int], list[int], int]:
     """The model's copy terms when every block takes `choice`, with max_inflight 1 (the
-    profile's uniform runs): per block, the copies in flight during its forward and the reload
-    started during its backward, and the copies in flight at the turn. `predict` adds exactly
+    profile's uniform runs): per block, the copies in flight during its forward and the reloads
+    ahead of their use during its backward, and the copies at the turn. `predict` adds exactly
     these above what the blocks hold; the cost model (`actcfg.plan.cost`) takes them off what
     a uniform run measured. One model, used both ways. Needs only each option's `moved`."""
     t = _Terms(profile, 1)
-    c = choice
-    prev = [None, c, *([c] * t.n)]  # the choice of block b-1 (None before the first)
-    forward = [t.inflight(b, prev[b - 1] if b >= 1 else None, prev[b]) for b in range(t.n)]
-    backward = [t.reload_below(b, prev[b]) for b in range(t.n)]
-    return forward, backward, t.inflight(t.n, prev[t.n - 1] if t.n >= 1 else None, prev[t.n])
+    labels: list[str | None] = [None, None, *_labels([choice] * t.n)]  # labels[b + 2]: block b's
+    forward = [t.inflight(b, labels[b], labels[b + 1], labels[b + 2]) for b in range(t.n)]
+    backward = [t.reload_ahead(b, labels[b + 1], labels[b + 2]) for b in range(t.n)]
+    return forward, backward, t.turn_copies(labels[t.n], labels[t.n + 1])
 
 
 def predict(profile: Profile, choices: tuple[str, ...] | list[str], max_inflight: int = 1) -> tuple[float, int]:
@@ -192,7 +308,7 @@ def predict(profile: Profile, choices: tuple[str, ...] | list[str], max_inflight
     held = 0
     p2: str | None = None
     p1: str | None = None
-    for b, c in enumerate(choices):
+    for b, c in enumerate(_labels(choices)):
         peak = max(peak, held + t.need(b, p2, p1, c))
         held += t.opt(b, c).held
         step += t.cost(b, c)
@@ -233,28 +349,32 @@ def _fastest(profile: Profile, budget: int, max_inflight: int,
     if profile.outside_peak > budget:
         return None
     grain = max(1.0, budget / MAX_FRONT)
+    # state: (choice of block b-2, of block b-1, phase; see `_Terms.labelled`)
     # entry: (held, time, bytes copied, parent entry, choice)
-    fronts: dict[tuple[str | None, str | None], list[tuple[Any, ...]]] = {
-        (None, None): [(0, profile.plain_step_ms, 0, None, None)]}
+    fronts: dict[tuple[str | None, str | None, int], list[tuple[Any, ...]]] = {
+        (None, None, 0): [(0, profile.plain_step_ms, 0, None, None)]}
     for b in range(t.n):
-        new: dict[tuple[str | None, str | None], list[tuple[Any, ...]]] = {}
-        for (p2, p1), entries in fronts.items():
-            for c in choices:
-                room = budget - t.need(b, p2, p1, c)
-                if room < 0:
-                    continue
-                o = t.opt(b, c)
-                dt = t.cost(b, c) + (t.exposed(b - 1, p1, c) if b >= 1 else 0.0)
-                out = new.setdefault((p1, c), [])
-                for e in entries:  # sorted by held: past `room`, none fits
-                    if e[0] > room:
-                        break
-                    out.append((e[0] + o.held, e[1] + dt, e[2] + o.moved, e, c))
+        new: dict[tuple[str | None, str | None, int], list[tuple[Any, ...]]] = {}
+        for (p2, p1, phase), entries in fronts.items():
+            for choice in choices:
+                for c, after in t.labelled(choice, phase):
+                    room = budget - t.need(b, p2, p1, c)
+                    if room < 0:
+                        continue
+                    o = t.opt(b, c)
+                    dt = t.cost(b, c) + (t.exposed(b - 1, p1, c) if b >= 1 else 0.0)
+                    out = new.setdefault((t.as_before_last(p1), c, after), [])
+                    for e in entries:  # sorted by held: past `room`, none fits
+                        if e[0] > room:
+                            break
+                        out.append((e[0] + o.held, e[1] + dt, e[2] + o.moved, e, choice))
         fronts = {k: _prune(v, grain) for k, v in new.items() if v}
         if not fronts:
             return None
     best: tuple[Any, ...] | None = None
-    for (p2, p1), entries in fronts.items():
+    for (p2, p1, phase), entries in fronts.items():
+        if phase == 1:  # an offloaded block was taken for not the last, and none came after
+            continue
         room = budget - t.turn(p2, p1)
         tail = t.exposed(t.n - 1, p1, None) if t.n else 0.0
         for e in entries:
@@ -275,19 +395,20 @@ def _fastest(profile: Profile, budget: int, max_inflight: int,
 
 def lowest_plan(profile: Profile, max_inflight: int = 1) -> tuple[int, tuple[str, ...]]:
     """(the smallest peak the model predicts for any choices, the choices that reach it): a
-    Pareto front of held bytes and peak so far, per state of the last two choices."""
+    Pareto front of held bytes and peak so far, per state of the last two choices and phase."""
     t = _Terms(profile, max_inflight)
     choices = profile.choices()
     # entry: (held so far, peak so far, choices so far)
-    fronts: dict[tuple[str | None, str | None], list[tuple[int, int, tuple[str, ...]]]] = {
-        (None, None): [(0, 0, ())]}
+    fronts: dict[tuple[str | None, str | None, int], list[tuple[int, int, tuple[str, ...]]]] = {
+        (None, None, 0): [(0, 0, ())]}
     for b in range(t.n):
-        new: dict[tuple[str | None, str | None], list[tuple[int, int, tuple[str, ...]]]] = {}
-        for (p2, p1), entries in fronts.items():
-            for c in choices:
-                need, held = t.need(b, p2, p1, c), t.opt(b, c).held
-                new.setdefault((p1, c), []).extend((s + held, max(pk, s + need), cs + (c,))
-                                                   for s, pk, cs in entries)
+        new: dict[tuple[str | None, str | None, int], list[tuple[int, int, tuple[str, ...]]]] = {}
+        for (p2, p1, phase), entries in fronts.items():
+            for choice in choices:
+                for c, after in t.labelled(choice, phase):
+                    need, held = t.need(b, p2, p1, c), t.opt(b, c).held
+                    new.setdefault((t.as_before_last(p1), c, after), []).extend(
+                        (s + held, max(pk, s + need), cs + (choice,)) for s, pk, cs in entries)
         fronts = {}
         for k, v in new.items():
             v.sort(key=lambda e: (e[0], e[1]))
@@ -298,7 +419,8 @@ def lowest_plan(profile: Profile, max_inflight: int = 1) -> tuple[int, tuple[str
                     best = e[1]
             fronts[k] = front
     peak, picked = min(((max(pk, s + t.turn(p2, p1)), cs)
-                        for (p2, p1), v in fronts.items() for s, pk, cs in v), key=lambda e: e[0])
+                        for (p2, p1, phase), v in fronts.items() if phase != 1
+                        for s, pk, cs in v), key=lambda e: e[0])
     return max(profile.outside_peak, peak), picked
 
 

@@ -90,7 +90,7 @@ from actcfg.runtime.host_budget import NodeBudget
 from actcfg.runtime.offload_pool import HostPool
 from actcfg.runtime.offload_stats import OffloadStats, OffloadWarning, no_effect_reason
 
-__all__ = ["OffloadEngine", "OffloadStats", "OffloadWarning", "host_loopback", "loopback_enabled"]
+__all__ = ["WINDOW_STORAGES", "OffloadEngine", "OffloadStats", "OffloadWarning", "host_loopback", "loopback_enabled"]
 
 _LOOPBACK = threading.local()
 
@@ -611,8 +611,8 @@ class OffloadEngine:
         self._stats.end_step(None if g is None else g.summary() for g in groups)
         self._offload_groups_last_step = self._offload_groups
         # The schedule of the next step and of this backward, in bytes: a few of the largest
-        # storage moved (see _WINDOW_STORAGES).
-        window = _WINDOW_STORAGES * self._largest_sent
+        # storage moved (see WINDOW_STORAGES).
+        window = WINDOW_STORAGES * self._largest_sent
         self._forward_window = self.max_inflight * window
         if self._step is not None:
             self._step.open_groups = []  # from here each group lives as long as its tensors
@@ -910,7 +910,7 @@ class _StepScope:
 # bound (compute waited on every copy); two ran at 1.02-1.03x; a whole group (the old schedule)
 # at 1.02x with a whole second block held at the turn and in backward (peak 2.54 GiB, against
 # 1.69 GiB with two storages and 0.88 GiB for torch's save_on_cpu).
-_WINDOW_STORAGES = 2
+WINDOW_STORAGES = 2
 
 # A view is moved with its whole storage (q, k and v of one qkv projection travel as one
 # storage) unless the storage is more than this many times larger than the view.

@@ -4,6 +4,7 @@ lowers the peak. No torch."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import subprocess
@@ -304,3 +305,40 @@ def test_what_runs_outside_the_blocks_bounds_every_plan():
     with pytest.raises(PlanError) as info:
         solve(profile, 19)
     assert info.value.smallest_peak == 20
+
+
+def test_the_copy_terms_follow_the_engines_storage_by_storage_window():
+    # Three blocks that each move 10 bytes (largest storage 2, window 2 storages: 4 bytes per
+    # max_inflight) and peak at 8 in forward. Storage by storage, block 1 sees at most 4 bytes
+    # of block 0's copy in flight; block 2, the last offloaded, holds its own to its end with
+    # at most one storage (2) of block 1's beside it; its whole copy meets the turn (10).
+    # Whole blocks (no window known): 10 in flight at blocks 1 and 2.
+    block = {"keep": Option(held=0, forward_peak=8),
+             "offload": Option(held=0, moved=10, forward_peak=8, extra_ms=1.0)}
+    whole = _profile([block] * 3, turn=0)
+    windowed = dataclasses.replace(whole, largest_storage=2, window_storages=2)
+    every = ("offload",) * 3
+    assert predict(whole, every)[1] == 10 + 8
+    assert predict(windowed, every)[1] == 4 + 8
+    assert predict(windowed, every, max_inflight=2)[1] == 8 + 8  # twice the window
+    # the last offloaded block's whole copy is in flight while the next one runs
+    assert predict(windowed, ("offload", "offload", "keep"))[1] == 10 + 8
+    # the last offloaded block holds its storages to its end: in forward it peaks as kept
+    holds = {"keep": Option(held=0, forward_peak=20),
+             "offload": Option(held=0, moved=10, forward_peak=8, extra_ms=1.0)}
+    last = dataclasses.replace(_profile([holds] * 3, turn=0), largest_storage=2, window_storages=2)
+    assert predict(last, every)[1] == 2 + 20  # one storage of block 1's beside it
+    assert predict(last, ("offload", "keep", "keep"))[1] == 10 + 20  # block 0's whole copy at block 1
+    # backward: the reloads of the block below and a block's own share one window
+    reload = {"keep": Option(held=0, backward_peak=8),
+              "offload": Option(held=0, moved=10, backward_peak=8, extra_ms=1.0)}
+    back = dataclasses.replace(_profile([reload] * 3, turn=0), largest_storage=2, window_storages=2)
+    assert predict(back, every)[1] == 4 + 8
+    assert predict(dataclasses.replace(back, window_storages=0), every)[1] == 10 + 8
+    # the solver tells the last offloaded block apart (a phase of its state): the same peaks
+    for budget in range(10, 30):
+        try:
+            plan = solve(windowed, budget)
+        except PlanError:
+            continue
+        assert plan.peak == predict(windowed, plan.choices, plan.max_inflight)[1] <= budget

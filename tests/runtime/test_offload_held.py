@@ -131,7 +131,7 @@ def test_while_copies_run_forward_holds_the_group_just_finished_and_max_inflight
                     # at the turn: the last group, which stays, and the copies in flight
                     assert engine.stats.most_forward_device_bytes == group + max_inflight * group
                 else:
-                    window = max_inflight * offload._WINDOW_STORAGES * storage
+                    window = max_inflight * offload.WINDOW_STORAGES * storage
                     assert max(at_boundaries) == storage + window
                     # under the group that stays, one copy is left in flight
                     assert engine.stats.most_forward_device_bytes == group + storage

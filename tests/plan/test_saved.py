@@ -1,0 +1,79 @@
+"""actcfg/plan/saved.py on the CPU: what each block saves, counted once per storage, and a storage
+told apart by what it is, not by its address (which a freed storage leaves to the next one)."""
+
+from __future__ import annotations
+
+import numpy
+import torch
+from torch import nn
+
+from actcfg.plan.saved import saved_bytes
+from actcfg.plan.probe import LiveBytes
+from _helpers import tiny_llama
+
+ROWS, WIDTH = 64, 64
+ONE = ROWS * WIDTH * 4
+
+
+class Reused(nn.Module):
+    """Two matmul outputs, one after the other, in the same memory but in two storages: the first
+    is gone when the second is made, as a freed activation's memory goes to the next one (which
+    the CUDA caching allocator does at once, and the CPU's often). Host memory from numpy makes
+    the reuse certain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.eye(WIDTH))
+        self.memory = numpy.zeros((ROWS, WIDTH), dtype=numpy.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        total = x
+        for _ in range(2):
+            out = torch.from_numpy(self.memory)  # a new storage over the same memory
+            torch.mm(x.detach(), self.w.detach(), out=out)
+            total = total + out.sum()
+            del out
+        return total
+
+
+def test_an_op_output_made_where_a_freed_one_was_is_counted_too():
+    torch.manual_seed(0)
+    model = Reused()
+    x = torch.randn(ROWS, WIDTH, requires_grad=True)
+    ops = [torch.ops.aten.mm.out]
+    # Keyed by address alone, the second output was taken for the first: one counted, not two.
+    assert saved_bytes(model, [model], (x,), {}, save_ops=ops) == [2 * ONE]
+
+
+def test_each_llama_layer_counts_what_it_holds_and_the_shared_rotary_tables_once():
+    """Counted with hooks against the meter: between two layers' starts the live bytes grow by
+    what the first holds. cos and sin, made once before the layers and saved by every one, are
+    counted once, in the first layer (they are alive before it: what it holds is one table
+    pair less than its count)."""
+    torch.manual_seed(0)
+    model = tiny_llama(3, hidden_size=64, intermediate_size=176, num_attention_heads=2,
+                       num_key_value_heads=2).train()
+    ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(1))
+    layers = list(model.model.layers)
+    counted = saved_bytes(model, layers, (), {"input_ids": ids})
+    live = LiveBytes()
+    starts: list[int] = []
+
+    def mark(module, args, kwargs):
+        live._sweep()
+        starts.append(live.now)
+
+    handles = [layer.register_forward_pre_hook(mark, with_kwargs=True) for layer in layers]
+    live.start()
+    try:
+        out = model(input_ids=ids)
+    finally:
+        live.stop()
+        for h in handles:
+            h.remove()
+    del out
+    held = [b - a for a, b in zip(starts, starts[1:])]
+    tables = 2 * 32 * (64 // 2) * 4  # cos and sin: (1, sequence, head_dim) float32
+    assert counted[1:-1] == held[1:]
+    assert counted[0] == held[0] + tables
+    assert counted[1] == counted[2]
