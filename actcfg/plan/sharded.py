@@ -1,0 +1,149 @@
+"""Planning a model as it trains when its parameters are sharded (FSDP2's `fully_shard`), on
+every rank of the group; and the wrappers a profile cannot run under (DDP, the DeepSpeed engine).
+
+The profile runs the sharded model itself: FSDP2's own pre- and post-forward hooks gather each
+unit's parameters and free them after, so the gathered parameters count toward every peak the
+profile reads (CUDA: the allocator's statistics; CPU: `LiveBytes` counts a gathered storage while
+it holds bytes), and each profiled backward reduce-scatters the gradients into the sharded
+`.grad`s, which the profile puts back after (`actcfg.plan.profile._restored`). Nothing else of
+FSDP2's is left changed: each step reshards what it gathered.
+
+A sharded step is full of collectives (an all-gather per unit in forward and backward, a
+reduce-scatter per unit in backward), so with several ranks:
+
+* every rank runs the same profile steps in the same order. The profile's sequence is fixed
+  except where it follows this rank's own readings: a run out of memory is skipped, and compiled
+  runs warm up until their time settles. Under a group, out of memory ends the plan (`strict`
+  in `actcfg.plan.profile.profile`) and `compile:` is refused before any step;
+* a rank that fails must not leave the others inside a collective: the ranks agree on success
+  at each profiled step's loss (`Steps.loss`), after the forward's collectives and before the
+  backward's, and before and after the whole profile (`actcfg.plan.consensus.settle`). A failure
+  inside a forward or a backward (out of memory mid-step) cannot be agreed on: the other ranks
+  already wait inside FSDP2's next collective, which no later call of this rank can match. That
+  rank then raises at once, saying so (`Steps.inside`), and the group's timeout ends the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from actcfg.errors import PlanError
+from actcfg.plan.consensus import settle
+
+__all__ = ["Steps", "is_sharded", "refuse_compile_across_ranks", "refuse_unplannable"]
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True when `model` or a module in it is sharded with FSDP2 (`fully_shard`)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without torch.distributed
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _class_names(model: nn.Module) -> set[str]:
+    return {c.__name__ for c in type(model).__mro__}
+
+
+def refuse_unplannable(model: nn.Module) -> None:
+    """PlanError for a model the profile cannot run a step of without changing what the run
+    sees: wrapped in DDP, or in (or trained by) the DeepSpeed engine."""
+    where = "`checkpoint.mode: auto` profiles training steps on the model as given, and"
+    fix = ("plan the unwrapped model in a one-process run (or with `actcfg plan CONFIG --model "
+           "pkg.module:factory -o plan.yaml`) and apply the written plan")
+    if "DistributedDataParallel" in _class_names(model):
+        # DDP's reducer expects every backward to follow a DDP forward (prepare_for_backward)
+        # and all-reduces into the gradients' buckets as they are produced.
+        raise PlanError(f"{where} the model is wrapped in DistributedDataParallel, whose reducer "
+                        "all-reduces every backward's gradients into its buckets: the profile's "
+                        f"backward passes would be reduced and counted; {fix}")
+    zero = [n for n, p in model.named_parameters() if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")]
+    if "DeepSpeedEngine" in _class_names(model) or zero:
+        # ZeRO-1/2's gradient hooks (stage_1_and_2.create_gradient_handling_hooks) move each
+        # parameter's gradient into the optimizer's ipg bucket as backward produces it, reduce
+        # it into the partitioned gradient buffer and clear `param.grad`; engine.step reads that
+        # buffer. A profile's backward outside engine.backward would leave its gradients there
+        # (and in `params_already_reduced`, the micro-step counters), in private structures of
+        # the installed DeepSpeed version that cannot be put back exactly. ZeRO-3 adds hooks that
+        # gather and release partitions by trace.
+        raise PlanError(f"{where} the model is trained by the DeepSpeed engine (its ZeRO "
+                        "gradient hooks move each gradient the profile's backward produces into "
+                        "the optimizer's partitioned buffers, which engine.step then applies, and "
+                        f"which cannot be put back exactly); {fix}")
+
+
+class Steps:
+    """Where the profile's steps are on this rank, for a sharded model under a group: inside a
+    forward or backward (FSDP2 collectives in flight), or between them. `loss` wraps the
+    profile's loss so that the ranks agree on success at each step's loss."""
+
+    def __init__(self, model: nn.Module, group: Any) -> None:
+        self.group = group
+        self.settled = False
+        """True once the ranks agreed that a step failed (every rank raised the same error)."""
+        self.inside = False
+        """True from a forward's start to the end of its backward (or of the forward, when no
+        backward follows, as in the profile's byte counts)."""
+        self._handles = [
+            model.register_forward_pre_hook(self._enter),
+            model.register_forward_hook(self._leave),  # not always_call: a failure stays inside
+        ]
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        self.inside = True
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.inside = False
+
+    def loss(self, loss_fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """`loss_fn` with the ranks' agreement on success after it: every rank gets past its
+        forward's collectives to here, so a loss that fails on one rank fails on all, with its
+        sentence. From here to the end of the backward, this rank is inside a step again."""
+        def agreed(output: Any) -> Any:
+            error = None
+            try:
+                loss = loss_fn(output)
+            except Exception as e:
+                error = e
+            try:
+                settle(error, self.group, where=" (in a profiled step's loss)")
+            except PlanError:
+                self.settled = True  # every rank raises here: nothing left to agree on
+                raise
+            self.inside = True
+            loss.register_hook(self._backward_started)
+            return loss
+
+        return agreed
+
+    def _backward_started(self, grad: torch.Tensor) -> None:
+        # The engine's final callback runs after every hook of this backward, FSDP2's
+        # reduce-scatters included (queued the same way, by FSDP2's root, before this one).
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _backward_done(self) -> None:
+        self.inside = False
+
+    def remove(self) -> None:
+        """Take the hooks off the model."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def refuse_compile_across_ranks(compiled: bool) -> None:
+    """PlanError for `compile:` when a sharded model plans on several ranks: compiled runs warm
+    up until their time settles, a count each rank reads from its own clock, and the ranks'
+    sharded steps must match one for one."""
+    if compiled:
+        raise PlanError(
+            "`compile:` with a sharded (FSDP2) model on several ranks: the profile warms each "
+            "compiled run up until its step time settles, a count each rank reads from its own "
+            "clock, and every rank's sharded steps (their all-gathers and reduce-scatters) must "
+            "match one for one; plan compiled on one rank (a one-rank group) and apply the "
+            "written plan on every rank, or remove `compile`")
