@@ -66,6 +66,7 @@ from actcfg.integrations._planning import (
     write_plan,
 )
 from actcfg.integrations._report_lines import FirstStepPeak, applied_line, measured_line
+from actcfg.plan.sharded import DDP_WHY, DEEPSPEED_WHY, is_sharded
 from actcfg.policy.schema import Policy
 
 __all__ = ["ActivationPolicyCallback", "trainer_loss"]
@@ -141,8 +142,12 @@ class ActivationPolicyCallback(TrainerCallback):
             self.applied = apply(model, self._plan, backend=backend)
             self._say(applied_line(self.applied, plan_file=self.plan_file))
         else:
-            _refuse_planning_in(args)
-            self._pending = model.register_forward_pre_hook(self._plan_on_first_batch, with_kwargs=True)
+            _refuse_planning_in(args, model)
+            # Before FSDP2's own root pre-forward (registered with prepend=True too, at
+            # fully_shard): the profile's steps each go through FSDP2's hooks from the start,
+            # rather than nested inside a forward FSDP2 has begun.
+            self._pending = model.register_forward_pre_hook(self._plan_on_first_batch,
+                                                            with_kwargs=True, prepend=True)
 
     def _plan_on_first_batch(self, model: torch.nn.Module, args: tuple[Any, ...],
                              kwargs: dict[str, Any]) -> None:
@@ -290,16 +295,27 @@ def trainer_loss(outputs: Any) -> Any:
     return outputs[0]
 
 
-def _refuse_planning_in(args: TrainingArguments) -> None:
-    """PolicyApplyError for a run whose first batch cannot be planned on in this process."""
+def _refuse_planning_in(args: TrainingArguments, model: Any) -> None:
+    """PolicyApplyError for a run whose first batch cannot be planned on in this process.
+
+    FSDP2 is planned (`fsdp_config={"fsdp_version": 2}`: accelerate has called `fully_shard` on
+    the model by train begin), on one process or on each of several, which plan together
+    (`actcfg.plan.sharded`). What is refused is what a profile's backward cannot run under and
+    leave the run as it was."""
     fsdp = getattr(args, "fsdp", None)
     why = None
     if getattr(args, "deepspeed_plugin", None) is not None:
-        why = "the Trainer runs DeepSpeed, whose engine hooks every parameter's gradient"
-    elif args.world_size > 1 or fsdp:
-        why = (f"this is one of {args.world_size} processes" if args.world_size > 1
-               else "the Trainer shards the model with FSDP") + (
-            ", and the profile's backward passes would reduce gradients across them")
+        why = f"the Trainer runs the DeepSpeed engine: {DEEPSPEED_WHY}"
+    elif fsdp and not is_sharded(model):
+        # FSDP1 wraps the model in FullyShardedDataParallel with flat parameters (its names are
+        # not the model's, so neither is a plan's); accelerate on the CPU runs DDP instead.
+        why = ("TrainingArguments(fsdp) is set and the model is not sharded with FSDP2's "
+               "fully_shard at train begin (FSDP1 wraps it in FullyShardedDataParallel with "
+               "flattened parameters, which the profile does not run; on the CPU accelerate "
+               "runs DDP instead): set fsdp_config={'fsdp_version': 2}")
+    elif args.world_size > 1 and not is_sharded(model):
+        why = (f"this is one of {args.world_size} processes under DDP, {DDP_WHY} (FSDP2, "
+               "fsdp_config={'fsdp_version': 2}, is planned on every rank together)")
     elif args.n_gpu > 1:
         why = f"the Trainer wraps the model in DataParallel over {args.n_gpu} GPUs"
     elif getattr(args, "torch_compile", False):

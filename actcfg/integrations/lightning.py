@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.strategies import DeepSpeedStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
@@ -77,6 +77,7 @@ from actcfg.integrations._planning import (
 )
 from actcfg.integrations._report_lines import FirstStepPeak, applied_line, measured_line
 from actcfg.plan import plan_model
+from actcfg.plan.sharded import DEEPSPEED_WHY, is_sharded
 from actcfg.policy.schema import Policy
 
 __all__ = ["ActivationPolicy", "step_loss"]
@@ -310,12 +311,29 @@ def _refuse_whole_model_compile(policy: Policy, plan_file: Path | None) -> None:
 
 
 def _refuse_planning_in(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-    """PolicyApplyError for a fit whose first batch cannot be planned on in this process."""
+    """PolicyApplyError for a fit whose first batch cannot be planned on in this process.
+
+    One device is planned, and `ModelParallelStrategy` with FSDP2 (`fully_shard` in
+    `configure_model`) on one process or each of several, which plan together
+    (`actcfg.plan.sharded`). What is refused is what a profile's backward cannot run under and
+    leave the fit as it was."""
     strategy = trainer.strategy
     why = None
-    if not isinstance(strategy, SingleDeviceStrategy) or trainer.world_size > 1:
+    if isinstance(strategy, DeepSpeedStrategy):
+        why = f"the Trainer runs DeepSpeedStrategy, whose engine trains the model: {DEEPSPEED_WHY}"
+    elif isinstance(strategy, ModelParallelStrategy) and not is_sharded(pl_module):
+        # Tensor parallel alone (no fully_shard) has collectives in every step too, but the
+        # agreement of the ranks' steps is built and tested for FSDP2's.
+        why = ("the Trainer runs ModelParallelStrategy and configure_model sharded no module with "
+               "FSDP2's fully_shard: only FSDP2-sharded models are profiled across processes")
+    elif not isinstance(strategy, (SingleDeviceStrategy, ModelParallelStrategy)) or (
+            trainer.world_size > 1 and not isinstance(strategy, ModelParallelStrategy)):
+        # DDP's reducer, and FSDPStrategy's (FSDP1) flat parameters, whose names are not the
+        # module's (so neither is a plan's).
         why = (f"the Trainer runs {type(strategy).__name__} over {trainer.world_size} "
-               "process(es), whose gradient hooks the profile's backward passes would fire")
+               "process(es), whose gradient hooks (DDP's reducer, FSDP1's flat parameters) the "
+               "profile's backward passes would fire (ModelParallelStrategy with FSDP2's "
+               "fully_shard in configure_model is planned on every rank together)")
     elif not pl_module.automatic_optimization:
         why = ("the LightningModule steps its optimizers itself (automatic_optimization is off), "
                "so running training_step to profile it would step them")

@@ -34,7 +34,17 @@ from torch import nn
 from actcfg.errors import PlanError
 from actcfg.plan.consensus import settle
 
-__all__ = ["Steps", "is_sharded", "refuse_compile_across_ranks", "refuse_unplannable"]
+__all__ = ["DDP_WHY", "DEEPSPEED_WHY", "Steps", "is_sharded", "refuse_compile_across_ranks",
+           "refuse_unplannable"]
+
+DEEPSPEED_WHY = ("its ZeRO gradient hooks move each gradient the profile's backward produces into "
+                 "the optimizer's partitioned buffers, which engine.step then applies, and which "
+                 "cannot be put back exactly")
+"""Why the DeepSpeed engine is not profiled (`refuse_unplannable`, and both trainer callbacks)."""
+
+DDP_WHY = ("whose reducer all-reduces every backward's gradients into its buckets: the profile's "
+           "backward passes would be reduced and counted")
+"""Why DDP is not profiled (`refuse_unplannable`, and both trainer callbacks)."""
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -59,9 +69,7 @@ def refuse_unplannable(model: nn.Module) -> None:
     if "DistributedDataParallel" in _class_names(model):
         # DDP's reducer expects every backward to follow a DDP forward (prepare_for_backward)
         # and all-reduces into the gradients' buckets as they are produced.
-        raise PlanError(f"{where} the model is wrapped in DistributedDataParallel, whose reducer "
-                        "all-reduces every backward's gradients into its buckets: the profile's "
-                        f"backward passes would be reduced and counted; {fix}")
+        raise PlanError(f"{where} the model is wrapped in DistributedDataParallel, {DDP_WHY}; {fix}")
     zero = [n for n, p in model.named_parameters() if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")]
     if "DeepSpeedEngine" in _class_names(model) or zero:
         # ZeRO-1/2's gradient hooks (stage_1_and_2.create_gradient_handling_hooks) move each
@@ -71,10 +79,8 @@ def refuse_unplannable(model: nn.Module) -> None:
         # (and in `params_already_reduced`, the micro-step counters), in private structures of
         # the installed DeepSpeed version that cannot be put back exactly. ZeRO-3 adds hooks that
         # gather and release partitions by trace.
-        raise PlanError(f"{where} the model is trained by the DeepSpeed engine (its ZeRO "
-                        "gradient hooks move each gradient the profile's backward produces into "
-                        "the optimizer's partitioned buffers, which engine.step then applies, and "
-                        f"which cannot be put back exactly); {fix}")
+        raise PlanError(f"{where} the model is trained by the DeepSpeed engine ({DEEPSPEED_WHY}); "
+                        f"{fix}")
 
 
 class Steps:
