@@ -22,7 +22,10 @@ plan, and lets the call go on: the step is the Trainer's first, before its first
 The profile puts back gradients, buffers, training mode and the CPU and CUDA RNG state, and
 touches neither the optimizer nor the data loader, so the run sees what it would have seen with
 the plan applied at train begin. The plan is written to `output_dir/actcfg-plan.yaml`;
-`plan_file=` applies such a file at train begin instead, with no profile.
+`plan_file=` applies such a file at train begin instead, with no profile. Under FSDP2
+(`fsdp_config={"fsdp_version": 2}`) the profile runs on the sharded model, on every rank
+together, and every rank applies one plan (`actcfg.plan.sharded`); the DeepSpeed engine, DDP,
+FSDP1 and DataParallel are refused before the first step (`_refuse_planning_in` says why).
 
 What the callback says goes where the Trainer writes its own progress: Trainer's logger stays at
 WARNING by default (its INFO lines, such as "***** Running training *****", do not show), and it

@@ -31,8 +31,11 @@ after, then applies the plan before Lightning's own first `training_step`. The p
 gradients, buffers, training mode and the CPU and CUDA RNG state, and touches neither the
 optimizers nor the data, so the run sees what it would have seen with the plan applied at fit
 start. The plan is written to `trainer.log_dir/actcfg-plan.yaml`; `plan_file=` applies such a
-file at fit start instead, with no profile. Planning in the run needs one device and automatic
-optimization (the profile must not step an optimizer).
+file at fit start instead, with no profile. Planning in the run needs automatic
+optimization (the profile must not step an optimizer) and one device, or `ModelParallelStrategy`
+with FSDP2's `fully_shard` in `configure_model`: the profile then runs on the sharded model, on
+every rank together, and every rank applies one plan (`actcfg.plan.sharded`). DeepSpeedStrategy,
+DDP and FSDPStrategy (FSDP1) are refused before the first step (`_refuse_planning_in` says why).
 
 What the callback says goes through `rank_zero_info`, Lightning's own INFO logger (its
 `lightning.pytorch` logger shows INFO by default, as the "GPU available" lines and the model

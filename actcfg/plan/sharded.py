@@ -74,11 +74,12 @@ def refuse_unplannable(model: nn.Module) -> None:
     if "DeepSpeedEngine" in _class_names(model) or zero:
         # ZeRO-1/2's gradient hooks (stage_1_and_2.create_gradient_handling_hooks) move each
         # parameter's gradient into the optimizer's ipg bucket as backward produces it, reduce
-        # it into the partitioned gradient buffer and clear `param.grad`; engine.step reads that
-        # buffer. A profile's backward outside engine.backward would leave its gradients there
-        # (and in `params_already_reduced`, the micro-step counters), in private structures of
-        # the installed DeepSpeed version that cannot be put back exactly. ZeRO-3 adds hooks that
-        # gather and release partitions by trace.
+        # it into the partitioned gradients engine.step reads and clear `param.grad`; the
+        # engine's `_backward_post_hook` runs the epilogue even for a direct loss.backward(). A
+        # profile's backward passes would be reduced in as gradient-accumulation micro-steps,
+        # kept in private structures of the installed DeepSpeed version (buckets, partitioned
+        # gradients, grad_accum, reduced flags) with no API to save and restore them. ZeRO-3
+        # adds hooks that fetch and release partitions by a recorded trace. (docs/trainers.md)
         raise PlanError(f"{where} the model is trained by the DeepSpeed engine ({DEEPSPEED_WHY}); "
                         f"{fix}")
 
