@@ -70,7 +70,10 @@ def refuse_unplannable(model: nn.Module) -> None:
         # DDP's reducer expects every backward to follow a DDP forward (prepare_for_backward)
         # and all-reduces into the gradients' buckets as they are produced.
         raise PlanError(f"{where} the model is wrapped in DistributedDataParallel, {DDP_WHY}; {fix}")
-    zero = [n for n, p in model.named_parameters() if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")]
+    # ZeRO-3 marks its parameters with `ds_id`; ZeRO-1/2 link each to its partition
+    # (`_hp_mapping`, set to None again by engine.destroy()).
+    zero = [n for n, p in model.named_parameters()
+            if hasattr(p, "ds_id") or getattr(p, "_hp_mapping", None) is not None]
     if "DeepSpeedEngine" in _class_names(model) or zero:
         # ZeRO-1/2's gradient hooks (stage_1_and_2.create_gradient_handling_hooks) move each
         # parameter's gradient into the optimizer's ipg bucket as backward produces it, reduce

@@ -176,24 +176,28 @@ def _hf_fsdp2_worker(rank: int, out_dir: str, port: int) -> None:
     torch.cuda.set_device(0)
 
     class Weights(TrainerCallback):
-        def __init__(self) -> None:
+        def __init__(self, policy: ActivationPolicyCallback) -> None:
+            self.policy = policy
             self.seen: list[list[float]] = []
             self.sharded = False
+            self.plain_peak: int | None = None
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
             from torch.distributed.fsdp import FSDPModule
 
             self.sharded = any(isinstance(m, FSDPModule) for m in model.modules())
             self.seen.append([float(whole(p).float().abs().sum()) for p in model.parameters()])
+            if self.policy.applied is not None and self.policy.applied.plan is not None:
+                self.plain_peak = self.policy.applied.plan.plain_peak
 
     ids = torch.randint(0, 128, (16, 256), generator=torch.Generator().manual_seed(1))
     data = [{"input_ids": r, "labels": r} for r in ids]
 
     def run(out: str, callback: ActivationPolicyCallback) -> Weights:
         torch.manual_seed(0)
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=256, n_embd=256, n_layer=4,
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=256, n_embd=256, n_layer=6,
                                            n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-        weights = Weights()
+        weights = Weights(callback)
         args = TrainingArguments(output_dir=out, per_device_train_batch_size=8, max_steps=STEPS,
                                  report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
                                  fsdp=True, fsdp_config={"fsdp_version": 2,
@@ -201,13 +205,19 @@ def _hf_fsdp2_worker(rank: int, out_dir: str, port: int) -> None:
         Trainer(model=model, args=args, train_dataset=data, callbacks=[callback, weights]).train()
         return weights
 
-    policy = "version: 1\ncheckpoint: {mode: auto, modules: [GPT2Block]}\nmemory_budget: 64MiB\n"
-    planning = ActivationPolicyCallback(policy)
+    def policy(budget: int) -> str:
+        return f"version: 1\ncheckpoint: {{mode: auto, modules: [GPT2Block]}}\nmemory_budget: {budget}\n"
+
+    # The sharded model's plain peak, as the profile reads it under FSDP2; the budget a quarter
+    # below it (six blocks: checkpointing them all goes far lower).
+    probe = run(os.path.join(out_dir, "probe"), ActivationPolicyCallback(policy(2**40)))
+    budget = probe.plain_peak * 3 // 4
+    planning = ActivationPolicyCallback(policy(budget))
     planned = run(os.path.join(out_dir, "planned"), planning)
     given = run(os.path.join(out_dir, "given"),
-                ActivationPolicyCallback(policy, plan_file=planning.plan_written))
+                ActivationPolicyCallback(policy(budget), plan_file=planning.plan_written))
     write_result(out_dir, rank, {
-        "sharded": planned.sharded, "planned": planned.seen, "given": given.seen,
+        "sharded": planned.sharded, "planned": planned.seen, "given": given.seen, "budget": budget,
         "plan": planning.plan_written.read_text(), "peak": planning.first_step_peak,
     })
 
@@ -219,5 +229,8 @@ def test_gpu_hf_trainer_fsdp2_plans_on_the_first_batch_like_the_written_plan(tmp
     print("hf fsdp2 plan:", result["plan"].splitlines()[:6], "first step peak:", result["peak"])
     assert result["sharded"]
     assert len(result["planned"]) == len(result["given"]) == STEPS
-    assert result["planned"] == result["given"]
-    assert result["peak"] is not None and result["peak"] <= 64 * 2**20
+    assert "mode: full" in result["plan"] or "mode: selective" in result["plan"]
+    # the same kernels on the same batches; rel 1e-6 leaves room for an atomic-add reduction
+    for a, b in zip(result["planned"], result["given"]):
+        assert a == pytest.approx(b, rel=1e-6)
+    assert result["peak"] is not None and result["peak"] <= result["budget"]
