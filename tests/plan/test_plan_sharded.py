@@ -195,6 +195,33 @@ def test_the_deepspeed_engine_is_refused_before_any_step(ds_env, monkeypatch, st
     engine.destroy()
 
 
+def test_steps_knows_whether_a_failure_left_this_rank_inside_a_step():
+    """What decides between agreeing on a failure and raising at once (collectives in flight)."""
+    from actcfg.plan.sharded import Steps
+
+    model, x = offload_blocks(2)
+    steps = Steps(model, None)
+    loss = steps.loss(lambda out: out.square().mean())
+    with torch.no_grad():
+        model(x)
+    assert not steps.inside  # a forward with no backward after it ends at the forward's end
+    value = loss(model(x))
+    assert steps.inside  # between the loss and the end of its backward
+    value.backward()
+    assert not steps.inside
+
+    def fail(module: nn.Module, args: Any) -> None:
+        raise RuntimeError("out of memory in blocks.1")
+
+    hook = model.blocks[1].register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="out of memory in blocks.1"):
+        model(x)
+    assert steps.inside  # the forward's collectives were in flight when it failed
+    hook.remove()
+    steps.remove()
+    assert not model._forward_pre_hooks and not model._forward_hooks
+
+
 # --- two ranks: gloo, fresh processes ---------------------------------------------------------------
 
 
