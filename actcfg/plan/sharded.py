@@ -37,9 +37,9 @@ from actcfg.plan.consensus import settle
 __all__ = ["DDP_WHY", "DEEPSPEED_WHY", "Steps", "is_sharded", "refuse_compile_across_ranks",
            "refuse_unplannable"]
 
-DEEPSPEED_WHY = ("its ZeRO gradient hooks move each gradient the profile's backward produces into "
-                 "the optimizer's partitioned buffers, which engine.step then applies, and which "
-                 "cannot be put back exactly")
+DEEPSPEED_WHY = ("its gradient hooks (ZeRO's, or the bf16 optimizer's) move each gradient the "
+                 "profile's backward produces into the optimizer's partitioned buffers, which "
+                 "engine.step then applies, and which cannot be put back exactly")
 """Why the DeepSpeed engine is not profiled (`refuse_unplannable`, and both trainer callbacks)."""
 
 DDP_WHY = ("whose reducer all-reduces every backward's gradients into its buckets: the profile's "
@@ -70,11 +70,11 @@ def refuse_unplannable(model: nn.Module) -> None:
         # DDP's reducer expects every backward to follow a DDP forward (prepare_for_backward)
         # and all-reduces into the gradients' buckets as they are produced.
         raise PlanError(f"{where} the model is wrapped in DistributedDataParallel, {DDP_WHY}; {fix}")
-    # ZeRO-3 marks its parameters with `ds_id`; ZeRO-1/2 link each to its partition
-    # (`_hp_mapping`, set to None again by engine.destroy()).
+    # ZeRO-3 marks its parameters with `ds_id`; ZeRO-1/2 and the bf16 optimizer link each to
+    # its fp32 partition (`_hp_mapping`, set to None again by engine.destroy()).
     zero = [n for n, p in model.named_parameters()
             if hasattr(p, "ds_id") or getattr(p, "_hp_mapping", None) is not None]
-    if "DeepSpeedEngine" in _class_names(model) or zero:
+    if zero:
         # ZeRO-1/2's gradient hooks (stage_1_and_2.create_gradient_handling_hooks) move each
         # parameter's gradient into the optimizer's ipg bucket as backward produces it, reduce
         # it into the partitioned gradients engine.step reads and clear `param.grad`; the
@@ -85,6 +85,14 @@ def refuse_unplannable(model: nn.Module) -> None:
         # adds hooks that fetch and release partitions by a recorded trace. (docs/trainers.md)
         raise PlanError(f"{where} the model is trained by the DeepSpeed engine ({DEEPSPEED_WHY}); "
                         f"{fix}")
+    if "DeepSpeedEngine" in _class_names(model):
+        # Without ZeRO (stage 0, fp32; fp16/bf16 through FP16_UnfusedOptimizer in 0.19) the
+        # engine leaves gradients to autograd until engine.step: its module's backward is
+        # torch's, and only the engine's forward hooks on it (timers) see the profile.
+        raise PlanError(f"{where} the model is the DeepSpeed engine itself, whose module names "
+                        "carry its `module.` prefix (so would the plan's) and whose forward does "
+                        "the engine's per-step bookkeeping: pass engine.module, which plans "
+                        "without ZeRO (stage 0); with ZeRO, " + fix)
 
 
 class Steps:

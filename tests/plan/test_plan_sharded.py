@@ -174,25 +174,57 @@ def test_ddp_is_refused_naming_its_reducer(mesh):
     assert all(p.grad is None for p in model.parameters())
 
 
+def engine_of(stage: int) -> tuple[Any, torch.Tensor]:
+    import deepspeed
+
+    model, x = offload_blocks(2)
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage}}
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config=config)
+    return engine, x
+
+
 @pytest.mark.slow
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("given", ["engine", "engine.module"])
-def test_the_deepspeed_engine_is_refused_before_any_step(ds_env, monkeypatch, stage, given):
-    import deepspeed
-
+def test_deepspeed_gradient_hooks_are_refused_before_any_step(ds_env, monkeypatch, stage, given):
     # ZeRO-3 replaces torch.nn.functional.linear process-wide and never puts it back.
     monkeypatch.setattr(torch.nn.functional, "linear", torch.nn.functional.linear)
-    model, x = offload_blocks(2)
-    engine, *_ = deepspeed.initialize(
-        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
-        config={"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage}})
+    engine, x = engine_of(stage)
     target = engine if given == "engine" else engine.module
     with pytest.raises(PlanError, match=r"^`checkpoint.mode: auto` profiles training steps on the "
                        r"model as given, and the model is trained by the DeepSpeed engine \(its "
-                       r"ZeRO gradient hooks move each gradient"):
+                       r"gradient hooks \(ZeRO's, or the bf16 optimizer's\) move each gradient"):
         actcfg.apply(target, auto(1 << 20), inputs=x)
     engine.destroy()
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed
+def test_deepspeed_without_zero_plans_engine_module_and_trains_as_the_written_plan(ds_env):
+    def losses(engine: Any, x: torch.Tensor) -> list[float]:
+        out = []
+        for _ in range(3):
+            loss = engine(x).square().mean()
+            engine.backward(loss)
+            engine.step()
+            out.append(loss.item())
+        return out
+
+    engine, x = engine_of(0)
+    with pytest.raises(PlanError, match=r"the model is the DeepSpeed engine itself, whose module "
+                       r"names carry its `module.` prefix .*: pass engine.module"):
+        actcfg.apply(engine, auto(1 << 20), inputs=x)
+    losses(engine, x)  # a step before planning: Adam's state and the engine's counters exist
+    handle = actcfg.apply(engine.module, auto(halfway_budget(lambda: offload_blocks(2))), inputs=x)
+    assert set(dict(handle.plan.choices).values()) != {"keep"}
+    planned = losses(engine, x)
+    again, _ = engine_of(0)
+    losses(again, x)
+    actcfg.apply(again.module, handle.plan.policy_yaml)
+    assert planned == losses(again, x)
+    assert engine.global_steps == again.global_steps == 6
 
 
 def test_steps_knows_whether_a_failure_left_this_rank_inside_a_step():
