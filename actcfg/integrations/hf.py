@@ -308,7 +308,10 @@ def _refuse_planning_in(args: TrainingArguments, model: Any) -> None:
     fsdp = getattr(args, "fsdp", None)
     why = None
     if getattr(args, "deepspeed_plugin", None) is not None:
-        why = f"the Trainer runs the DeepSpeed engine: {DEEPSPEED_WHY}"
+        # Stage 0 plans through actcfg.apply(engine.module) in a loop of your own; inside the
+        # Trainer it is not built (accelerate's engine setup is not profiled on the CPU).
+        why = (f"the Trainer runs the DeepSpeed engine (with ZeRO, {DEEPSPEED_WHY}; without "
+               "ZeRO, planning inside the Trainer is not built)")
     elif fsdp and not is_sharded(model):
         # FSDP1 wraps the model in FullyShardedDataParallel with flat parameters (its names are
         # not the model's, so neither is a plan's); accelerate on the CPU runs DDP instead.

@@ -323,7 +323,10 @@ def _refuse_planning_in(trainer: pl.Trainer, pl_module: pl.LightningModule) -> N
     strategy = trainer.strategy
     why = None
     if isinstance(strategy, DeepSpeedStrategy):
-        why = f"the Trainer runs DeepSpeedStrategy, whose engine trains the model: {DEEPSPEED_WHY}"
+        # Stage 0 plans through actcfg.apply(engine.module) in a loop of your own; inside the
+        # strategy (CUDA only) it is not built.
+        why = (f"the Trainer runs DeepSpeedStrategy (with ZeRO, {DEEPSPEED_WHY}; without ZeRO, "
+               "planning inside the strategy is not built)")
     elif isinstance(strategy, ModelParallelStrategy) and not is_sharded(pl_module):
         # Tensor parallel alone (no fully_shard) has collectives in every step too, but the
         # agreement of the ranks' steps is built and tested for FSDP2's.

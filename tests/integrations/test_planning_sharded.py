@@ -12,6 +12,7 @@ rank on NCCL:
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -28,17 +29,23 @@ from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+from transformers import TrainerCallback  # noqa: E402
+
 from actcfg.errors import PolicyApplyError  # noqa: E402
 from actcfg.integrations.hf import ActivationPolicyCallback  # noqa: E402
 from actcfg.integrations.lightning import ActivationPolicy  # noqa: E402
 from actcfg.probes import BlockStack  # noqa: E402
 
 try:
+    from tests._deepspeed_env import ds_env
     from tests._helpers import tiny_llama
     from tests._multirank import run_ranks, write_result
 except ImportError:  # tests/ is not a package: pytest puts tests/ itself on sys.path
+    from _deepspeed_env import ds_env
     from _helpers import tiny_llama
     from _multirank import run_ranks, write_result
+
+__all__ = ["ds_env"]
 
 STEPS = 3
 PL_AUTO = "version: 1\ncheckpoint: {mode: auto, modules: [Block]}\nmemory_budget: 210KiB\n"
@@ -162,12 +169,64 @@ def test_hf_fsdp_without_an_fsdp2_sharded_model_is_refused_before_the_first_step
         trainer.train()
 
 
+@pytest.mark.deepspeed
+def test_hf_deepspeed_is_refused_before_the_first_step_and_a_plan_file_runs_under_it(ds_env, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    ids = torch.randint(0, 96, (8, 16), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": r, "labels": r} for r in ids]
+    policy = "version: 1\ncheckpoint: {mode: auto, modules: [LlamaDecoderLayer]}\nmemory_budget: 440KiB\n"
+
+    def arguments(out: Path, **extra: Any) -> TrainingArguments:
+        return TrainingArguments(output_dir=str(out), per_device_train_batch_size=4, max_steps=2,
+                                 report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True,
+                                 **extra)
+
+    # The way out the refusal gives: plan in a run without DeepSpeed, pass the file. (First:
+    # accelerate leaves ACCELERATE_USE_DEEPSPEED=true behind, which turns every later Trainer
+    # into a DeepSpeed one; the environment is put back at the end.)
+    planning = ActivationPolicyCallback(policy)
+    Trainer(model=tiny_llama(2), args=arguments(tmp_path / "plain"), train_dataset=data,
+            callbacks=[planning]).train()
+    text = planning.plan_written.read_text()
+    assert "mode: full" in text or "mode: selective" in text  # the budget makes it checkpoint
+
+    saved = dict(os.environ)
+    try:
+        zero2 = {"deepspeed": {"train_micro_batch_size_per_gpu": "auto",
+                               "zero_optimization": {"stage": 2}}}
+        refused = Trainer(model=tiny_llama(2), args=arguments(tmp_path / "refused", **zero2),
+                          train_dataset=data, callbacks=[ActivationPolicyCallback(policy)])
+        with pytest.raises(PolicyApplyError, match=re.escape(
+                "checkpoint.mode auto plans on the first batch, in the training process, and the "
+                "Trainer runs the DeepSpeed engine (with ZeRO, its gradient hooks (ZeRO's, or the "
+                "bf16 optimizer's) move each gradient the profile's backward produces into the "
+                "optimizer's partitioned buffers, which engine.step then applies, and which cannot "
+                "be put back exactly; without ZeRO, planning inside the Trainer is not built): plan "
+                "once in a one-process run without it")):
+            refused.train()
+
+        given = ActivationPolicyCallback(policy, plan_file=planning.plan_written)
+        counted: list[int] = []
+
+        class Recomputes(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                counted.append(given.applied.counters.recomputes)
+
+        trainer = Trainer(model=tiny_llama(2), args=arguments(tmp_path / "deepspeed", **zero2),
+                          train_dataset=data, callbacks=[given, Recomputes()])
+        trainer.train()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert trainer.state.global_step == 2
+    assert counted[0] > 0  # the plan's checkpoints recomputed under the engine's backward
+
+
 # --- Hugging Face Trainer with FSDP2, one GPU, NCCL --------------------------------------------------
 
 
 def _hf_fsdp2_worker(rank: int, out_dir: str, port: int) -> None:
-    import os
-
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
     # As torchrun sets it: accelerate shards with FSDP only on a GPU distributed type.
