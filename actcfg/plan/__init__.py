@@ -72,8 +72,9 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
     from actcfg.errors import ActcfgError, PlanError
     from actcfg.plan.consensus import agree, group_of_ranks, one_profile, settle
     from actcfg.plan.profile import profile as run_profile
-    from actcfg.plan.sharded import Steps, is_sharded, refuse_compile_across_ranks, refuse_unplannable
-    from actcfg.runtime.step import default_loss
+    from actcfg.plan.sharded import (WHILE_PROFILING, Steps, is_sharded, refuse_compile_across_ranks,
+                                     refuse_unplannable)
+    from actcfg.runtime.step import default_loss, split_inputs
 
     group = group_of_ranks()
     across = group is not None and is_sharded(model)  # collectives inside every profiled step
@@ -84,6 +85,7 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
         if across:
             refuse_compile_across_ranks(policy.compile is not None)
         checked = _checked_loss(loss_fn if loss_fn is not None else default_loss, loss_fn is None)
+        split_inputs(inputs)  # a rank's unreadable batch: said here, before any collective
     except ActcfgError as e:
         ready = e
     settle(ready, group, where=" (before profiling)")
@@ -103,12 +105,12 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
                 f"planning failed on this rank inside a profiled forward or backward of the "
                 f"sharded model ({type(e).__name__}: {e}); the other ranks wait inside FSDP2's "
                 "collectives of that step and stop at the process group's timeout") from e
-        settle(e, group, where=" (while profiling)")
+        settle(e, group, where=WHILE_PROFILING)
         raise  # settle raised already, with a group or without (it re-raises e alone)
     finally:
         if steps is not None:
             steps.remove()
-    settle(None, group, where=" (while profiling)")
+    settle(None, group, where=WHILE_PROFILING)
     profiled = one_profile(local)  # the identity without a process group
     # How long this rank's profile took, and how it was compiled, are this rank's own readings.
     profiled = dataclasses.replace(profiled, compiled=local.compiled, profile_ms=local.profile_ms,

@@ -30,7 +30,8 @@ Without an initialised process group of more than one rank, every function here 
 identity: one process plans alone as before. torch is imported only when a group is up. With
 one, planning is a collective: every rank of the group plans (as a training script that calls
 `actcfg.apply` on each rank does). The ranks agree on success (`settle`) before the profile,
-after it, and, for a sharded model, at each profiled step's loss: a rank that cannot plan makes
+after it, and, for a sharded model, at each profiled forward's start and step's loss
+(`actcfg.plan.sharded`): a rank that cannot plan makes
 every rank raise its sentence instead of leaving the others waiting. A rank that plans alone
 (never calls `apply`) still leaves the others waiting until the group's timeout.
 """

@@ -16,8 +16,10 @@ reduce-scatter per unit in backward), so with several ranks:
   runs warm up until their time settles. Under a group, out of memory ends the plan (`strict`
   in `actcfg.plan.profile.profile`) and `compile:` is refused before any step;
 * a rank that fails must not leave the others inside a collective: the ranks agree on success
-  at each profiled step's loss (`Steps.loss`), after the forward's collectives and before the
-  backward's, and before and after the whole profile (`actcfg.plan.consensus.settle`). A failure
+  at the start of each profiled forward (before FSDP2's first all-gather: a failure between
+  steps meets the others there) and at each step's loss (`Steps.loss`: after the forward's
+  collectives, before the backward's), and before and after the whole profile
+  (`actcfg.plan.consensus.settle`). A failure
   inside a forward or a backward (out of memory mid-step) cannot be agreed on: the other ranks
   already wait inside FSDP2's next collective, which no later call of this rank can match. That
   rank then raises at once, saying so (`Steps.inside`), and the group's timeout ends the others.
@@ -34,13 +36,17 @@ from torch import nn
 from actcfg.errors import PlanError
 from actcfg.plan.consensus import settle
 
-__all__ = ["DDP_WHY", "DEEPSPEED_WHY", "Steps", "is_sharded", "refuse_compile_across_ranks",
+__all__ = ["DDP_WHY", "DEEPSPEED_WHY", "WHILE_PROFILING", "Steps", "is_sharded", "refuse_compile_across_ranks",
            "refuse_unplannable"]
 
 DEEPSPEED_WHY = ("its gradient hooks (ZeRO's, or the bf16 optimizer's) move each gradient the "
                  "profile's backward produces into the optimizer's partitioned buffers, which "
                  "engine.step then applies, and which cannot be put back exactly")
 """Why the DeepSpeed engine is not profiled (`refuse_unplannable`, and both trainer callbacks)."""
+
+WHILE_PROFILING = " (while profiling)"
+"""Where every agreement during the profile says the failure happened: each rank raises the same
+sentence, whichever agreement point the failing rank and the others met at."""
 
 DDP_WHY = ("whose reducer all-reduces every backward's gradients into its buckets: the profile's "
            "backward passes would be reduced and counted")
@@ -97,8 +103,9 @@ def refuse_unplannable(model: nn.Module) -> None:
 
 class Steps:
     """Where the profile's steps are on this rank, for a sharded model under a group: inside a
-    forward or backward (FSDP2 collectives in flight), or between them. `loss` wraps the
-    profile's loss so that the ranks agree on success at each step's loss."""
+    forward or backward (FSDP2 collectives in flight), or between them. The ranks agree on
+    success at the start of each forward of the model and, through `loss`, which wraps the
+    profile's loss, at each step's loss."""
 
     def __init__(self, model: nn.Module, group: Any) -> None:
         self.group = group
@@ -108,12 +115,24 @@ class Steps:
         """True from a forward's start to the end of its backward (or of the forward, when no
         backward follows, as in the profile's byte counts)."""
         self._handles = [
-            model.register_forward_pre_hook(self._enter),
+            # Before FSDP2's root pre-forward (prepend=True too), whose all-gather is the step's
+            # first collective.
+            model.register_forward_pre_hook(self._enter, prepend=True),
             model.register_forward_hook(self._leave),  # not always_call: a failure stays inside
         ]
 
     def _enter(self, module: nn.Module, args: Any) -> None:
+        # A rank that failed between steps (the profile's checks after a step) agrees on it
+        # here with the others, before any of them starts the next step's collectives.
+        self._agree(None)
         self.inside = True
+
+    def _agree(self, error: BaseException | None) -> None:
+        try:
+            settle(error, self.group, where=WHILE_PROFILING)
+        except PlanError:
+            self.settled = True  # every rank raises here: nothing left to agree on
+            raise
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
         self.inside = False
@@ -128,11 +147,7 @@ class Steps:
                 loss = loss_fn(output)
             except Exception as e:
                 error = e
-            try:
-                settle(error, self.group, where=" (in a profiled step's loss)")
-            except PlanError:
-                self.settled = True  # every rank raises here: nothing left to agree on
-                raise
+            self._agree(error)
             self.inside = True
             loss.register_hook(self._backward_started)
             return loss

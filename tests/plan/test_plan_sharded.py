@@ -324,7 +324,7 @@ def test_two_ranks_apply_one_plan_and_a_rank_that_fails_makes_the_other_fail_wit
     assert len(ranks[0]["choices"]) == 4
     for r in ranks:
         assert r["error"] == (
-            "planning failed on rank 1 of 2 (in a profiled step's loss): loss_fn raised ValueError: "
+            "planning failed on rank 1 of 2 (while profiling): loss_fn raised ValueError: "
             "rank 1 has no labels; the profile calls it on the model's output and needs a scalar "
             "tensor back; every rank stops here, since the ranks apply one plan made from all "
             "their profiles")
