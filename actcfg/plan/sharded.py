@@ -19,10 +19,10 @@ reduce-scatter per unit in backward), so with several ranks:
   at the start of each profiled forward (before FSDP2's first all-gather: a failure between
   steps meets the others there) and at each step's loss (`Steps.loss`: after the forward's
   collectives, before the backward's), and before and after the whole profile
-  (`actcfg.plan.consensus.settle`). A failure
-  inside a forward or a backward (out of memory mid-step) cannot be agreed on: the other ranks
-  already wait inside FSDP2's next collective, which no later call of this rank can match. That
-  rank then raises at once, saying so (`Steps.inside`), and the group's timeout ends the others.
+  (`actcfg.plan.consensus.settle`). A failure inside a forward or a backward (out of memory
+  mid-step) cannot be agreed on: the other ranks already wait inside FSDP2's next collective,
+  which no later call of this rank can match. That rank then raises at once, saying so
+  (`Steps.inside`), and the group's timeout ends the others.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from torch import nn
 from actcfg.errors import PlanError
 from actcfg.plan.consensus import settle
 
-__all__ = ["DDP_WHY", "DEEPSPEED_WHY", "WHILE_PROFILING", "Steps", "is_sharded", "refuse_compile_across_ranks",
-           "refuse_unplannable"]
+__all__ = ["DDP_WHY", "DEEPSPEED_WHY", "WHILE_PROFILING", "Steps", "is_sharded",
+           "refuse_compile_across_ranks", "refuse_unplannable"]
 
 DEEPSPEED_WHY = ("its gradient hooks (ZeRO's, or the bf16 optimizer's) move each gradient the "
                  "profile's backward produces into the optimizer's partitioned buffers, which "
@@ -155,8 +155,13 @@ class Steps:
         return agreed
 
     def _backward_started(self, grad: torch.Tensor) -> None:
-        # The engine's final callback runs after every hook of this backward, FSDP2's
-        # reduce-scatters included (queued the same way, by FSDP2's root, before this one).
+        # Runs first in backward, so this callback is queued before FSDP2's root queues its own
+        # (the post-backward that waits for the last reduce-scatters); it queues the one that
+        # marks the end, which then runs after FSDP2's (the engine runs callbacks queued while
+        # it runs them, in order).
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ending)
+
+    def _backward_ending(self) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
 
     def _backward_done(self) -> None:
