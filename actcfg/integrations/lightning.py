@@ -203,9 +203,11 @@ class ActivationPolicy(pl.Callback):
             self.applied = apply(pl_module, planned.policy, backend=Backend.TORCH)
             self.applied.set_plan(planned.report)
             took = self.plan_seconds = time.perf_counter() - began
+            # Every rank reads log_dir: under several processes it is a broadcast from rank 0
+            # (Strategy.broadcast), which a read on rank 0 alone would leave waiting.
+            folder = trainer.log_dir or trainer.default_root_dir
             if trainer.is_global_zero:
-                self.plan_written = write_plan(trainer.log_dir or trainer.default_root_dir,
-                                               planned.report.policy_yaml)
+                self.plan_written = write_plan(folder, planned.report.policy_yaml)
             rank_zero_info(applied_line(self.applied, planned_in_s=took, written=self.plan_written))
         if not self._checked_step:
             self._peak.begin(pl_module)

@@ -142,6 +142,49 @@ def test_lightning_model_parallel_fsdp2_plans_on_the_first_batch_and_changes_not
         assert all(torch.equal(v, given["optimizer"][k][n]) for n, v in state.items())
 
 
+def _lightning_two_rank_worker(rank: int, out_dir: str, port: int) -> None:
+    try:
+        from tests._multirank import finish, init_group
+    except ImportError:
+        from _multirank import finish, init_group
+
+    # The environment as torchrun sets it (LOCAL_RANK: Lightning takes the processes as launched
+    # outside it) and the group up already, which Lightning uses.
+    init_group(rank, port)
+    root = Path(out_dir)
+
+    def run(name: str, callback: ActivationPolicy) -> dict[str, Any]:
+        x = torch.randn(8 * STEPS, 8, 32, generator=torch.Generator().manual_seed(1))
+        seen = Seen()
+        trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=2, default_root_dir=str(root / name),
+                             strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+                             callbacks=[callback, seen], enable_progress_bar=False,
+                             enable_model_summary=False, logger=False, enable_checkpointing=False)
+        trainer.fit(ShardedBlocks(), DataLoader(TensorDataset(x), batch_size=4))
+        return {"weights": [{k: v.tolist() for k, v in s["weights"].items()} for s in seen.seen]}
+
+    planning = ActivationPolicy(PL_AUTO)
+    planned = run("planned", planning)
+    plan = (root / "planned" / "actcfg-plan.yaml").read_text()
+    given = run("given", ActivationPolicy(PL_AUTO, plan_file=root / "planned" / "actcfg-plan.yaml"))
+    write_result(out_dir, rank, {"plan": plan, "written": str(planning.plan_written),
+                                 "same": planned == given, "steps": len(planned["weights"])})
+    finish()
+
+
+def test_lightning_fsdp2_on_two_ranks_plans_one_plan_and_trains_as_the_written_plan(tmp_path):
+    try:
+        from tests._multirank import gloo_or_skip
+    except ImportError:
+        from _multirank import gloo_or_skip
+
+    gloo_or_skip()
+    ranks = run_ranks(_lightning_two_rank_worker, tmp_path, timeout=600)
+    assert ranks[0]["plan"] == ranks[1]["plan"]
+    assert ranks[0]["written"].endswith("planned/actcfg-plan.yaml") and ranks[1]["written"] == "None"
+    assert all(r["same"] and r["steps"] == STEPS for r in ranks)
+
+
 def test_lightning_ddp_is_refused_before_the_first_step_naming_its_reducer(tmp_path):
     with pytest.raises(PolicyApplyError, match=re.escape(
             "checkpoint.mode auto plans on the first batch, in the training process, and the "
