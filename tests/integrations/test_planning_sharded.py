@@ -2,7 +2,7 @@
 
 On the CPU: Lightning's `ModelParallelStrategy` with `fully_shard` in `configure_model` plans on
 the first batch and changes nothing the run sees (its steps equal those of a run given the
-written plan); DDP is refused with its reason, and so is a Hugging Face `fsdp` run whose model
+written plan), on one process and on two gloo ranks (one plan, written once); DDP is refused with its reason, and so is a Hugging Face `fsdp` run whose model
 is not FSDP2-sharded (on the CPU accelerate runs DDP there). Hugging Face's FSDP2 needs a GPU
 (accelerate shards only on GPU distributed types): the `cuda` test plans GPT-2 under it, one
 rank on NCCL:
