@@ -22,7 +22,10 @@ plan, and lets the call go on: the step is the Trainer's first, before its first
 The profile puts back gradients, buffers, training mode and the CPU and CUDA RNG state, and
 touches neither the optimizer nor the data loader, so the run sees what it would have seen with
 the plan applied at train begin. The plan is written to `output_dir/actcfg-plan.yaml`;
-`plan_file=` applies such a file at train begin instead, with no profile.
+`plan_file=` applies such a file at train begin instead, with no profile. Under FSDP2
+(`fsdp_config={"fsdp_version": 2}`) the profile runs on the sharded model, on every rank
+together, and every rank applies one plan (`actcfg.plan.sharded`); the DeepSpeed engine, DDP,
+FSDP1 and DataParallel are refused before the first step (`_refuse_planning_in` says why).
 
 What the callback says goes where the Trainer writes its own progress: Trainer's logger stays at
 WARNING by default (its INFO lines, such as "***** Running training *****", do not show), and it
@@ -66,6 +69,7 @@ from actcfg.integrations._planning import (
     write_plan,
 )
 from actcfg.integrations._report_lines import FirstStepPeak, applied_line, measured_line
+from actcfg.plan.sharded import DDP_WHY, DEEPSPEED_WHY, is_sharded
 from actcfg.policy.schema import Policy
 
 __all__ = ["ActivationPolicyCallback", "trainer_loss"]
@@ -141,8 +145,12 @@ class ActivationPolicyCallback(TrainerCallback):
             self.applied = apply(model, self._plan, backend=backend)
             self._say(applied_line(self.applied, plan_file=self.plan_file))
         else:
-            _refuse_planning_in(args)
-            self._pending = model.register_forward_pre_hook(self._plan_on_first_batch, with_kwargs=True)
+            _refuse_planning_in(args, model)
+            # Before FSDP2's own root pre-forward (registered with prepend=True too, at
+            # fully_shard): the profile's steps each go through FSDP2's hooks from the start,
+            # rather than nested inside a forward FSDP2 has begun.
+            self._pending = model.register_forward_pre_hook(self._plan_on_first_batch,
+                                                            with_kwargs=True, prepend=True)
 
     def _plan_on_first_batch(self, model: torch.nn.Module, args: tuple[Any, ...],
                              kwargs: dict[str, Any]) -> None:
@@ -290,16 +298,30 @@ def trainer_loss(outputs: Any) -> Any:
     return outputs[0]
 
 
-def _refuse_planning_in(args: TrainingArguments) -> None:
-    """PolicyApplyError for a run whose first batch cannot be planned on in this process."""
+def _refuse_planning_in(args: TrainingArguments, model: Any) -> None:
+    """PolicyApplyError for a run whose first batch cannot be planned on in this process.
+
+    FSDP2 is planned (`fsdp_config={"fsdp_version": 2}`: accelerate has called `fully_shard` on
+    the model by train begin), on one process or on each of several, which plan together
+    (`actcfg.plan.sharded`). What is refused is what a profile's backward cannot run under and
+    leave the run as it was."""
     fsdp = getattr(args, "fsdp", None)
     why = None
     if getattr(args, "deepspeed_plugin", None) is not None:
-        why = "the Trainer runs DeepSpeed, whose engine hooks every parameter's gradient"
-    elif args.world_size > 1 or fsdp:
-        why = (f"this is one of {args.world_size} processes" if args.world_size > 1
-               else "the Trainer shards the model with FSDP") + (
-            ", and the profile's backward passes would reduce gradients across them")
+        # Stage 0 plans through actcfg.apply(engine.module) in a loop of your own; inside the
+        # Trainer it is not built (accelerate's engine setup is not profiled on the CPU).
+        why = (f"the Trainer runs the DeepSpeed engine (with ZeRO, {DEEPSPEED_WHY}; without "
+               "ZeRO, planning inside the Trainer is not built)")
+    elif fsdp and not is_sharded(model):
+        # FSDP1 wraps the model in FullyShardedDataParallel with flat parameters (its names are
+        # not the model's, so neither is a plan's); accelerate on the CPU runs DDP instead.
+        why = ("TrainingArguments(fsdp) is set and the model is not sharded with FSDP2's "
+               "fully_shard at train begin (FSDP1 wraps it in FullyShardedDataParallel with "
+               "flattened parameters, which the profile does not run; on the CPU accelerate "
+               "runs DDP instead): set fsdp_config={'fsdp_version': 2}")
+    elif args.world_size > 1 and not is_sharded(model):
+        why = (f"this is one of {args.world_size} processes under DDP, {DDP_WHY} (FSDP2, "
+               "fsdp_config={'fsdp_version': 2}, is planned on every rank together)")
     elif args.n_gpu > 1:
         why = f"the Trainer wraps the model in DataParallel over {args.n_gpu} GPUs"
     elif getattr(args, "torch_compile", False):

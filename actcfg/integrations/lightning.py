@@ -31,8 +31,11 @@ after, then applies the plan before Lightning's own first `training_step`. The p
 gradients, buffers, training mode and the CPU and CUDA RNG state, and touches neither the
 optimizers nor the data, so the run sees what it would have seen with the plan applied at fit
 start. The plan is written to `trainer.log_dir/actcfg-plan.yaml`; `plan_file=` applies such a
-file at fit start instead, with no profile. Planning in the run needs one device and automatic
-optimization (the profile must not step an optimizer).
+file at fit start instead, with no profile. Planning in the run needs automatic
+optimization (the profile must not step an optimizer) and one device, or `ModelParallelStrategy`
+with FSDP2's `fully_shard` in `configure_model`: the profile then runs on the sharded model, on
+every rank together, and every rank applies one plan (`actcfg.plan.sharded`). DeepSpeedStrategy,
+DDP and FSDPStrategy (FSDP1) are refused before the first step (`_refuse_planning_in` says why).
 
 What the callback says goes through `rank_zero_info`, Lightning's own INFO logger (its
 `lightning.pytorch` logger shows INFO by default, as the "GPU available" lines and the model
@@ -49,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.strategies import DeepSpeedStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
@@ -77,6 +80,7 @@ from actcfg.integrations._planning import (
 )
 from actcfg.integrations._report_lines import FirstStepPeak, applied_line, measured_line
 from actcfg.plan import plan_model
+from actcfg.plan.sharded import DEEPSPEED_WHY, is_sharded
 from actcfg.policy.schema import Policy
 
 __all__ = ["ActivationPolicy", "step_loss"]
@@ -199,9 +203,11 @@ class ActivationPolicy(pl.Callback):
             self.applied = apply(pl_module, planned.policy, backend=Backend.TORCH)
             self.applied.set_plan(planned.report)
             took = self.plan_seconds = time.perf_counter() - began
+            # Every rank reads log_dir: under several processes it is a broadcast from rank 0
+            # (Strategy.broadcast), which a read on rank 0 alone would leave waiting.
+            folder = trainer.log_dir or trainer.default_root_dir
             if trainer.is_global_zero:
-                self.plan_written = write_plan(trainer.log_dir or trainer.default_root_dir,
-                                               planned.report.policy_yaml)
+                self.plan_written = write_plan(folder, planned.report.policy_yaml)
             rank_zero_info(applied_line(self.applied, planned_in_s=took, written=self.plan_written))
         if not self._checked_step:
             self._peak.begin(pl_module)
@@ -310,12 +316,32 @@ def _refuse_whole_model_compile(policy: Policy, plan_file: Path | None) -> None:
 
 
 def _refuse_planning_in(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-    """PolicyApplyError for a fit whose first batch cannot be planned on in this process."""
+    """PolicyApplyError for a fit whose first batch cannot be planned on in this process.
+
+    One device is planned, and `ModelParallelStrategy` with FSDP2 (`fully_shard` in
+    `configure_model`) on one process or each of several, which plan together
+    (`actcfg.plan.sharded`). What is refused is what a profile's backward cannot run under and
+    leave the fit as it was."""
     strategy = trainer.strategy
     why = None
-    if not isinstance(strategy, SingleDeviceStrategy) or trainer.world_size > 1:
+    if isinstance(strategy, DeepSpeedStrategy):
+        # Stage 0 plans through actcfg.apply(engine.module) in a loop of your own; inside the
+        # strategy (CUDA only) it is not built.
+        why = (f"the Trainer runs DeepSpeedStrategy (with ZeRO, {DEEPSPEED_WHY}; without ZeRO, "
+               "planning inside the strategy is not built)")
+    elif isinstance(strategy, ModelParallelStrategy) and not is_sharded(pl_module):
+        # Tensor parallel alone (no fully_shard) has collectives in every step too, but the
+        # agreement of the ranks' steps is built and tested for FSDP2's.
+        why = ("the Trainer runs ModelParallelStrategy and configure_model sharded no module with "
+               "FSDP2's fully_shard: only FSDP2-sharded models are profiled across processes")
+    elif not isinstance(strategy, (SingleDeviceStrategy, ModelParallelStrategy)) or (
+            trainer.world_size > 1 and not isinstance(strategy, ModelParallelStrategy)):
+        # DDP's reducer, and FSDPStrategy's (FSDP1) flat parameters, whose names are not the
+        # module's (so neither is a plan's).
         why = (f"the Trainer runs {type(strategy).__name__} over {trainer.world_size} "
-               "process(es), whose gradient hooks the profile's backward passes would fire")
+               "process(es), whose gradient hooks (DDP's reducer, FSDP1's flat parameters) the "
+               "profile's backward passes would fire (ModelParallelStrategy with FSDP2's "
+               "fully_shard in configure_model is planned on every rank together)")
     elif not pl_module.automatic_optimization:
         why = ("the LightningModule steps its optimizers itself (automatic_optimization is off), "
                "so running training_step to profile it would step them")

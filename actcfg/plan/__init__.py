@@ -62,16 +62,55 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
     the runtime's applier of a concrete policy (passed in by `actcfg.api`); `origin` names the
     policy file in the written plan's header. PlanError when no plan fits. Under a process group
     of several ranks, every rank plans from the ranks' profiles reduced to their worst case and
-    gets the same plan (`actcfg.plan.consensus`): a collective, which every rank must call."""
-    from actcfg.plan.consensus import agree, one_profile
-    from actcfg.runtime.step import default_loss
-    from actcfg.plan.profile import profile as run_profile
+    gets the same plan (`actcfg.plan.consensus`): a collective, which every rank must call. The
+    ranks agree on success before and after the profile (and, for a sharded model, at each
+    step's loss): a rank that cannot plan makes every rank raise its sentence.
 
-    _refuse_frozen(model)
-    checked = _checked_loss(loss_fn if loss_fn is not None else default_loss, loss_fn is None)
-    local = run_profile(model, policy.checkpoint.modules, inputs, loss_fn=checked, apply=apply,
-                        pin=policy.pin, pin_budget=policy.pin_budget, compile=policy.compile,
-                        submodules=policy.checkpoint.submodules)
+    A model sharded with FSDP2 is profiled as it trains, its parameters gathered per unit and
+    its gradients reduce-scattered in each profiled step (`actcfg.plan.sharded`); DDP and the
+    DeepSpeed engine are refused."""
+    from actcfg.errors import ActcfgError, PlanError
+    from actcfg.plan.consensus import agree, group_of_ranks, one_profile, settle
+    from actcfg.plan.profile import profile as run_profile
+    from actcfg.plan.sharded import (WHILE_PROFILING, Steps, is_sharded, refuse_compile_across_ranks,
+                                     refuse_unplannable)
+    from actcfg.runtime.step import default_loss, split_inputs
+
+    group = group_of_ranks()
+    across = group is not None and is_sharded(model)  # collectives inside every profiled step
+    ready: ActcfgError | None = None
+    try:
+        refuse_unplannable(model)
+        _refuse_frozen(model)
+        if across:
+            refuse_compile_across_ranks(policy.compile is not None)
+        checked = _checked_loss(loss_fn if loss_fn is not None else default_loss, loss_fn is None)
+        split_inputs(inputs)  # a rank's unreadable batch: said here, before any collective
+    except ActcfgError as e:
+        ready = e
+    settle(ready, group, where=" (before profiling)")
+    steps = Steps(model, group) if across else None
+    try:
+        local = run_profile(model, policy.checkpoint.modules, inputs,
+                            loss_fn=checked if steps is None else steps.loss(checked), apply=apply,
+                            pin=policy.pin, pin_budget=policy.pin_budget, compile=policy.compile,
+                            submodules=policy.checkpoint.submodules, strict=across)
+    except Exception as e:
+        if steps is not None and steps.settled:
+            raise  # the ranks agreed at a step's loss: every rank raises this now
+        if steps is not None and steps.inside:
+            # The other ranks wait inside FSDP2's next collective: no call of this rank can
+            # match it now, so no agreement is possible (actcfg.plan.sharded).
+            raise PlanError(
+                f"planning failed on this rank inside a profiled forward or backward of the "
+                f"sharded model ({type(e).__name__}: {e}); the other ranks wait inside FSDP2's "
+                "collectives of that step and stop at the process group's timeout") from e
+        settle(e, group, where=WHILE_PROFILING)
+        raise  # settle raised already, with a group or without (it re-raises e alone)
+    finally:
+        if steps is not None:
+            steps.remove()
+    settle(None, group, where=WHILE_PROFILING)
     profiled = one_profile(local)  # the identity without a process group
     # How long this rank's profile took, and how it was compiled, are this rank's own readings.
     profiled = dataclasses.replace(profiled, compiled=local.compiled, profile_ms=local.profile_ms,

@@ -29,8 +29,11 @@ the same plan; `agree` still compares the written plans across ranks and raises 
 Without an initialised process group of more than one rank, every function here is the
 identity: one process plans alone as before. torch is imported only when a group is up. With
 one, planning is a collective: every rank of the group plans (as a training script that calls
-`actcfg.apply` on each rank does); a rank that plans alone, or fails before the exchange, leaves
-the others waiting until the group's timeout.
+`actcfg.apply` on each rank does). The ranks agree on success (`settle`) before the profile,
+after it, and, for a sharded model, at each profiled forward's start and step's loss
+(`actcfg.plan.sharded`): a rank that cannot plan makes
+every rank raise its sentence instead of leaving the others waiting. A rank that plans alone
+(never calls `apply`) still leaves the others waiting until the group's timeout.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from actcfg.errors import PlanError
 from actcfg.plan.model import CHOICES, BlockProfile, Option, Profile
 
 __all__ = ["Together", "agree", "copy_together", "group_of_ranks", "one_profile", "reduce_profiles",
-           "slowest_rank"]
+           "settle", "slowest_rank"]
 
 COPY_BYTES = 1 << 29
 """Bytes of each timed copy in `copy_together`: 512 MiB, ~10 ms at an H200's ~55 GB/s, long
@@ -270,6 +273,30 @@ def agree(text: str, group: Any = None) -> None:
             f"the ranks planned differently (rank {differ[0]}'s plan is not rank 0's), although "
             "they planned from one reduced profile: their policies differ (each rank must load "
             "the same policy file, with the same memory_budget)")
+
+
+def settle(error: BaseException | None, group: Any = None, *, where: str = "") -> None:
+    """Every rank of `group` learns whether every rank got here without an error (a collective:
+    each calls it at the same point). PlanError on every rank, naming the lowest rank that
+    failed and its message, when any did; `where` says at which point. The failing rank's own
+    error is raised from. Nothing without a group, except re-raising `error`."""
+    group = group_of_ranks(group)
+    if group is None:
+        if error is not None:
+            raise error
+        return
+    said = None if error is None else (str(error) or type(error).__name__)
+    everyone = _gather(said, group)
+    failed = [r for r, s in enumerate(everyone) if s is not None]
+    if not failed:
+        return
+    first = failed[0]
+    also = f" (and on rank{'s' if len(failed) > 2 else ''} {', '.join(map(str, failed[1:]))})" \
+        if len(failed) > 1 else ""
+    raise PlanError(
+        f"planning failed on rank {first} of {len(everyone)}{also}{where}: {everyone[first]}; "
+        "every rank stops here, since the ranks apply one plan made from all their profiles"
+    ) from error
 
 
 def slowest_rank(step_ms: float, peak: int, group: Any = None) -> tuple[float, int]:

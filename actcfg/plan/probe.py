@@ -87,7 +87,14 @@ class LiveBytes:
 
     def _sweep(self) -> None:
         expired = self._expired
-        for key in [k for k, (ref, _) in self._live.items() if expired(ref.cdata)]:
+        revive = torch.UntypedStorage._new_with_weak_ptr  # type: ignore[attr-defined]
+        # A storage is also gone when it still exists but no longer holds the bytes counted
+        # under its address: FSDP2 frees a gathered (unsharded) parameter by resizing its storage
+        # to 0 and gathers it again into the same storage at a new address (`free_storage`,
+        # `alloc_storage` in torch/distributed/fsdp/_fully_shard/_fsdp_param.py).
+        gone = [k for k, (ref, _) in self._live.items()
+                if expired(ref.cdata) or revive(ref.cdata).data_ptr() != k]
+        for key in gone:
             self.now -= self._live.pop(key)[1]
 
     def start(self) -> None:

@@ -209,6 +209,7 @@ def profile(
     choices: Sequence[str] | None = None,
     compile: Compile | None = None,
     submodules: str | Sequence[str] = "none",
+    strict: bool = False,
 ) -> Profile:
     """Profile one training step of `model` on `inputs` per candidate (`modules`: fnmatch
     patterns) under each choice; `apply` applies a concrete policy (`actcfg.api` passes it).
@@ -217,7 +218,9 @@ def profile(
     PlanError when a candidate is never called or the plain step cannot be run.
 
     With `compile` every run is compiled as the plan will be (`apply` compiles each uniform
-    policy, keep included), and the time spent compiling is kept apart (`Profile.compile_ms`)."""
+    policy, keep included), and the time spent compiling is kept apart (`Profile.compile_ms`).
+    `strict`: a run out of memory ends the profile instead of being left out (a sharded model on
+    several ranks, whose steps must match one for one: `actcfg.plan.sharded`)."""
     started = time.perf_counter()
     spent: list[float] = []
     compiled = compile is not None
@@ -283,6 +286,8 @@ def profile(
                                         meter, steps, pin, pin_budget, taken(choice), compile,
                                         spent)
                 except torch.cuda.OutOfMemoryError:
+                    if strict:
+                        raise
                     notes.append(f"{choice}: out of GPU memory in its uniform run; "
                                  + ("estimated from full" if choice == "keep" else "not a choice"))
                     # the failed step's tensors die with the exception, here: give them back

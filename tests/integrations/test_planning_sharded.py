@@ -1,0 +1,338 @@
+"""`checkpoint.mode: auto` in the trainer callbacks on a sharded model (FSDP2), and what they refuse.
+
+On the CPU: Lightning's `ModelParallelStrategy` with `fully_shard` in `configure_model` plans on
+the first batch and changes nothing the run sees (its steps equal those of a run given the
+written plan), on one process and on two gloo ranks (one plan, written once); DDP is refused with its reason, and so is a Hugging Face `fsdp` run whose model
+is not FSDP2-sharded (on the CPU accelerate runs DDP there). Hugging Face's FSDP2 needs a GPU
+(accelerate shards only on GPU distributed types): the `cuda` test plans GPT-2 under it, one
+rank on NCCL:
+
+    python3 -m pytest -m cuda -q "tests/integrations/test_planning_sharded.py::test_gpu_hf_trainer_fsdp2_plans_on_the_first_batch_like_the_written_plan"
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+pytest.importorskip("lightning")
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from transformers import TrainerCallback  # noqa: E402
+
+from actcfg.errors import PolicyApplyError  # noqa: E402
+from actcfg.integrations.hf import ActivationPolicyCallback  # noqa: E402
+from actcfg.integrations.lightning import ActivationPolicy  # noqa: E402
+from actcfg.probes import BlockStack  # noqa: E402
+
+try:
+    from tests._deepspeed_env import ds_env
+    from tests._helpers import tiny_llama
+    from tests._multirank import run_ranks, write_result
+except ImportError:  # tests/ is not a package: pytest puts tests/ itself on sys.path
+    from _deepspeed_env import ds_env
+    from _helpers import tiny_llama
+    from _multirank import run_ranks, write_result
+
+__all__ = ["ds_env"]
+
+STEPS = 3
+PL_AUTO = "version: 1\ncheckpoint: {mode: auto, modules: [Block]}\nmemory_budget: 210KiB\n"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:The '.*dataloader' does not have many workers"),
+    pytest.mark.filterwarnings("ignore:GPU available but not used"),
+    pytest.mark.filterwarnings("ignore:The number of training batches"),
+    pytest.mark.filterwarnings("ignore:Starting from v1.9.0, `tensorboardX`"),
+    pytest.mark.filterwarnings("ignore:It is recommended to use `self.log"),
+]
+
+
+class ShardedBlocks(pl.LightningModule):
+    """A stack of `Block`s, each sharded with FSDP2 in configure_model; training_step drops out
+    its input (a draw from the CPU generator)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = BlockStack(3, d_model=32, heads=4, ffn=64)
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        if self.device_mesh is None:  # not ModelParallelStrategy: left unsharded
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        loss = self.model(nn.functional.dropout(x, 0.2)).square().mean()
+        self.log("loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+class Seen(pl.Callback):
+    def __init__(self) -> None:
+        self.seen: list[dict[str, Any]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append({
+            "weights": {n: whole(p) for n, p in pl_module.named_parameters()},
+            "rng": torch.get_rng_state(),
+            "step": trainer.global_step,
+            "batch": batch[0].clone(),
+        })
+
+
+def fit(root: Path, callback: ActivationPolicy, strategy: Any) -> dict[str, Any]:
+    x = torch.randn(4 * STEPS, 8, 32, generator=torch.Generator().manual_seed(1))
+    seen = Seen()
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, strategy=strategy,
+                         default_root_dir=str(root), callbacks=[callback, seen],
+                         enable_progress_bar=False, enable_model_summary=False, logger=False,
+                         enable_checkpointing=False)
+    trainer.fit(ShardedBlocks(), DataLoader(TensorDataset(x), batch_size=4, shuffle=True,
+                                            generator=torch.Generator().manual_seed(2)))
+    state = trainer.optimizers[0].state_dict()["state"]
+    return {"steps": seen.seen, "optimizer": {k: {n: whole(v) for n, v in s.items()} for k, s in state.items()}}
+
+
+def model_parallel() -> ModelParallelStrategy:
+    return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+
+
+def test_lightning_model_parallel_fsdp2_plans_on_the_first_batch_and_changes_nothing(tmp_path):
+    planning = ActivationPolicy(PL_AUTO)
+    planned = fit(tmp_path / "planned", planning, model_parallel())
+    written = tmp_path / "planned" / "actcfg-plan.yaml"
+    assert planning.plan_written == written and written.is_file()
+    text = written.read_text()
+    assert "mode: full" in text or "mode: selective" in text  # the budget makes it checkpoint
+    given = fit(tmp_path / "given", ActivationPolicy(PL_AUTO, plan_file=written), model_parallel())
+    assert [s["step"] for s in planned["steps"]] == [s["step"] for s in given["steps"]] == [1, 2, 3]
+    for a, b in zip(planned["steps"], given["steps"]):
+        assert torch.equal(a["batch"], b["batch"]) and torch.equal(a["rng"], b["rng"])
+        assert a["weights"].keys() == b["weights"].keys()
+        assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
+    assert planned["optimizer"].keys() == given["optimizer"].keys() != set()
+    for k, state in planned["optimizer"].items():
+        assert all(torch.equal(v, given["optimizer"][k][n]) for n, v in state.items())
+
+
+def _lightning_two_rank_worker(rank: int, out_dir: str, port: int) -> None:
+    try:
+        from tests._multirank import finish, init_group
+    except ImportError:
+        from _multirank import finish, init_group
+
+    # The environment as torchrun sets it (LOCAL_RANK: Lightning takes the processes as launched
+    # outside it) and the group up already, which Lightning uses.
+    init_group(rank, port)
+    root = Path(out_dir)
+
+    def run(name: str, callback: ActivationPolicy) -> dict[str, Any]:
+        x = torch.randn(8 * STEPS, 8, 32, generator=torch.Generator().manual_seed(1))
+        seen = Seen()
+        trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=2, default_root_dir=str(root / name),
+                             strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+                             callbacks=[callback, seen], enable_progress_bar=False,
+                             enable_model_summary=False, logger=False, enable_checkpointing=False)
+        trainer.fit(ShardedBlocks(), DataLoader(TensorDataset(x), batch_size=4))
+        return {"weights": [{k: v.tolist() for k, v in s["weights"].items()} for s in seen.seen]}
+
+    planning = ActivationPolicy(PL_AUTO)
+    planned = run("planned", planning)
+    plan = (root / "planned" / "actcfg-plan.yaml").read_text()
+    given = run("given", ActivationPolicy(PL_AUTO, plan_file=root / "planned" / "actcfg-plan.yaml"))
+    write_result(out_dir, rank, {"plan": plan, "written": str(planning.plan_written),
+                                 "same": planned == given, "steps": len(planned["weights"])})
+    finish()
+
+
+def test_lightning_fsdp2_on_two_ranks_plans_one_plan_and_trains_as_the_written_plan(tmp_path):
+    try:
+        from tests._multirank import gloo_or_skip
+    except ImportError:
+        from _multirank import gloo_or_skip
+
+    gloo_or_skip()
+    ranks = run_ranks(_lightning_two_rank_worker, tmp_path, timeout=600)
+    assert ranks[0]["plan"] == ranks[1]["plan"]
+    assert ranks[0]["written"].endswith("planned/actcfg-plan.yaml") and ranks[1]["written"] == "None"
+    assert all(r["same"] and r["steps"] == STEPS for r in ranks)
+
+
+def test_lightning_ddp_is_refused_before_the_first_step_naming_its_reducer(tmp_path):
+    with pytest.raises(PolicyApplyError, match=re.escape(
+            "checkpoint.mode auto plans on the first batch, in the training process, and the "
+            "Trainer runs DDPStrategy over 1 process(es), whose gradient hooks (DDP's reducer, "
+            "FSDP1's flat parameters) the profile's backward passes would fire")):
+        fit(tmp_path, ActivationPolicy(PL_AUTO), "ddp")
+
+
+def test_hf_fsdp_without_an_fsdp2_sharded_model_is_refused_before_the_first_step(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    ids = torch.randint(0, 96, (8, 16), generator=torch.Generator().manual_seed(1))
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2,
+                             report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True,
+                             fsdp=True, fsdp_config={"fsdp_version": 2})
+    policy = "version: 1\ncheckpoint: {mode: auto, modules: [LlamaDecoderLayer]}\nmemory_budget: 600KiB\n"
+    trainer = Trainer(model=tiny_llama(2), args=args,
+                      train_dataset=[{"input_ids": r, "labels": r} for r in ids],
+                      callbacks=[ActivationPolicyCallback(policy)])
+    with pytest.raises(PolicyApplyError, match=re.escape(
+            "TrainingArguments(fsdp) is set and the model is not sharded with FSDP2's fully_shard "
+            "at train begin (FSDP1 wraps it in FullyShardedDataParallel with flattened "
+            "parameters, which the profile does not run; on the CPU accelerate runs DDP instead): "
+            "set fsdp_config={'fsdp_version': 2}")):
+        trainer.train()
+
+
+@pytest.mark.deepspeed
+def test_hf_deepspeed_is_refused_before_the_first_step_and_a_plan_file_runs_under_it(ds_env, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    ids = torch.randint(0, 96, (8, 16), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": r, "labels": r} for r in ids]
+    policy = "version: 1\ncheckpoint: {mode: auto, modules: [LlamaDecoderLayer]}\nmemory_budget: 440KiB\n"
+
+    def arguments(out: Path, **extra: Any) -> TrainingArguments:
+        return TrainingArguments(output_dir=str(out), per_device_train_batch_size=4, max_steps=2,
+                                 report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True,
+                                 **extra)
+
+    # The way out the refusal gives: plan in a run without DeepSpeed, pass the file. (First:
+    # accelerate leaves ACCELERATE_USE_DEEPSPEED=true behind, which turns every later Trainer
+    # into a DeepSpeed one; the environment is put back at the end.)
+    planning = ActivationPolicyCallback(policy)
+    Trainer(model=tiny_llama(2), args=arguments(tmp_path / "plain"), train_dataset=data,
+            callbacks=[planning]).train()
+    text = planning.plan_written.read_text()
+    assert "mode: full" in text or "mode: selective" in text  # the budget makes it checkpoint
+
+    saved = dict(os.environ)
+    try:
+        zero2 = {"deepspeed": {"train_micro_batch_size_per_gpu": "auto",
+                               "zero_optimization": {"stage": 2}}}
+        refused = Trainer(model=tiny_llama(2), args=arguments(tmp_path / "refused", **zero2),
+                          train_dataset=data, callbacks=[ActivationPolicyCallback(policy)])
+        with pytest.raises(PolicyApplyError, match=re.escape(
+                "checkpoint.mode auto plans on the first batch, in the training process, and the "
+                "Trainer runs the DeepSpeed engine (with ZeRO, its gradient hooks (ZeRO's, or the "
+                "bf16 optimizer's) move each gradient the profile's backward produces into the "
+                "optimizer's partitioned buffers, which engine.step then applies, and which cannot "
+                "be put back exactly; without ZeRO, planning inside the Trainer is not built): plan "
+                "once in a one-process run without it")):
+            refused.train()
+
+        given = ActivationPolicyCallback(policy, plan_file=planning.plan_written)
+        counted: list[int] = []
+
+        class Recomputes(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                counted.append(given.applied.counters.recomputes)
+
+        trainer = Trainer(model=tiny_llama(2), args=arguments(tmp_path / "deepspeed", **zero2),
+                          train_dataset=data, callbacks=[given, Recomputes()])
+        trainer.train()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert trainer.state.global_step == 2
+    assert counted[0] > 0  # the plan's checkpoints recomputed under the engine's backward
+
+
+# --- Hugging Face Trainer with FSDP2, one GPU, NCCL --------------------------------------------------
+
+
+def _hf_fsdp2_worker(rank: int, out_dir: str, port: int) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    # As torchrun sets it: accelerate shards with FSDP only on a GPU distributed type.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    torch.cuda.set_device(0)
+
+    class Weights(TrainerCallback):
+        def __init__(self, policy: ActivationPolicyCallback) -> None:
+            self.policy = policy
+            self.seen: list[list[float]] = []
+            self.sharded = False
+            self.plain_peak: int | None = None
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            from torch.distributed.fsdp import FSDPModule
+
+            self.sharded = any(isinstance(m, FSDPModule) for m in model.modules())
+            self.seen.append([float(whole(p).float().abs().sum()) for p in model.parameters()])
+            if self.policy.applied is not None and self.policy.applied.plan is not None:
+                self.plain_peak = self.policy.applied.plan.plain_peak
+
+    ids = torch.randint(0, 128, (16, 256), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": r, "labels": r} for r in ids]
+
+    def run(out: str, callback: ActivationPolicyCallback) -> Weights:
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=256, n_embd=256, n_layer=6,
+                                           n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        weights = Weights(callback)
+        args = TrainingArguments(output_dir=out, per_device_train_batch_size=8, max_steps=STEPS,
+                                 report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
+                                 fsdp=True, fsdp_config={"fsdp_version": 2,
+                                                         "transformer_layer_cls_to_wrap": ["GPT2Block"]})
+        Trainer(model=model, args=args, train_dataset=data, callbacks=[callback, weights]).train()
+        return weights
+
+    def policy(budget: int) -> str:
+        return f"version: 1\ncheckpoint: {{mode: auto, modules: [GPT2Block]}}\nmemory_budget: {budget}\n"
+
+    # The sharded model's plain peak, as the profile reads it under FSDP2; the budget a quarter
+    # below it (six blocks: checkpointing them all goes far lower).
+    probe = run(os.path.join(out_dir, "probe"), ActivationPolicyCallback(policy(2**40)))
+    budget = probe.plain_peak * 3 // 4
+    planning = ActivationPolicyCallback(policy(budget))
+    planned = run(os.path.join(out_dir, "planned"), planning)
+    given = run(os.path.join(out_dir, "given"),
+                ActivationPolicyCallback(policy(budget), plan_file=planning.plan_written))
+    write_result(out_dir, rank, {
+        "sharded": planned.sharded, "planned": planned.seen, "given": given.seen, "budget": budget,
+        "plan": planning.plan_written.read_text(), "peak": planning.first_step_peak,
+    })
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_hf_trainer_fsdp2_plans_on_the_first_batch_like_the_written_plan(tmp_path):
+    (result,) = run_ranks(_hf_fsdp2_worker, tmp_path, world=1, timeout=900)
+    print("hf fsdp2 plan:", result["plan"].splitlines()[:6], "first step peak:", result["peak"])
+    assert result["sharded"]
+    assert len(result["planned"]) == len(result["given"]) == STEPS
+    assert "mode: full" in result["plan"] or "mode: selective" in result["plan"]
+    # the same kernels on the same batches; rel 1e-6 leaves room for an atomic-add reduction
+    for a, b in zip(result["planned"], result["given"]):
+        assert a == pytest.approx(b, rel=1e-6)
+    assert result["peak"] is not None and result["peak"] <= result["budget"]
