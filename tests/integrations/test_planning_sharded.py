@@ -48,7 +48,7 @@ except ImportError:  # tests/ is not a package: pytest puts tests/ itself on sys
 __all__ = ["ds_env"]
 
 STEPS = 3
-PL_AUTO = "version: 1\ncheckpoint: {mode: auto, modules: [Block]}\nmemory_budget: 210KiB\n"
+PL_AUTO = "version: 1\ncheckpoint: {mode: auto, modules: [Block]}\nmemory_budget: 177KiB\n"
 
 pytestmark = [
     pytest.mark.slow,
@@ -218,7 +218,7 @@ def test_hf_deepspeed_is_refused_before_the_first_step_and_a_plan_file_runs_unde
 
     ids = torch.randint(0, 96, (8, 16), generator=torch.Generator().manual_seed(1))
     data = [{"input_ids": r, "labels": r} for r in ids]
-    policy = "version: 1\ncheckpoint: {mode: auto, modules: [LlamaDecoderLayer]}\nmemory_budget: 440KiB\n"
+    policy = "version: 1\ncheckpoint: {mode: auto, modules: [LlamaDecoderLayer]}\nmemory_budget: 330KiB\n"
 
     def arguments(out: Path, **extra: Any) -> TrainingArguments:
         return TrainingArguments(output_dir=str(out), per_device_train_batch_size=4, max_steps=2,
