@@ -157,6 +157,23 @@ def _judge_recompute(m: Measurements) -> Verdict:
     if m.recomputes:
         return Verdict("recompute", True,
                        f"{m.recomputes} checkpointed module calls ran again in each backward")
+    if m.compile_ms is not None and m.plain.held and m.policy.held:
+        # Compiled, the checkpoint is an op of the graph and its recompute runs inside backward's
+        # graph, where the runtime's counter (a Python call) never runs. What shows it is the
+        # memory: checkpointed blocks keep no activations, so the memory held after the blocks
+        # falls well below the plain run's.
+        plain, ours = m.plain.held[-1], m.policy.held[-1]
+        said = (f"memory held after the last block was {ours / 2**20:.1f} MiB against the plain "
+                f"run's {plain / 2**20:.1f} MiB")
+        if ours * 2 <= plain:
+            return Verdict("recompute", True,
+                           "compiled, the recompute runs inside torch.compile's backward graph, "
+                           f"where actcfg cannot count it; {said}: the checkpointed blocks kept "
+                           "no activations")
+        return Verdict("recompute", False,
+                       "compiled, the recompute runs inside torch.compile's backward graph, where "
+                       f"actcfg cannot count it, and {said}: the checkpointed blocks kept their "
+                       "activations, so nothing was freed")
     return Verdict("recompute", False,
                    "checkpointing is on but no checkpointed module ran again in backward: "
                    "nothing was recomputed, so nothing was freed")

@@ -315,3 +315,16 @@ def test_no_prediction_no_line():
     m = measured(recomputes=8, offloaded_bytes=2 * B)
     assert "predicted" not in render_text(VerifyReport(_rules(), "torch", m, tuple(judge(_rules(), m))))
     assert "predicted" not in json.loads(render_json(VerifyReport(_rules(), "torch", m, ())))
+
+
+def test_a_compiled_checkpoint_is_judged_by_the_memory_it_freed():
+    """Compiled, the recompute runs inside torch.compile's backward graph, where the runtime's
+    counter never runs (0 on the H200); the memory held after the blocks is the evidence, and a
+    compiled checkpoint that kept its activations still fails."""
+    freed = verdict("recompute", CKPT, measured(FLAT, recomputes=0, compile_ms=2400.0))
+    assert freed.ok and "where actcfg cannot count it; memory held after the last block was 500.0 MiB " \
+                        "against the plain run's 2500.0 MiB: the checkpointed blocks kept no activations" in freed.message
+    kept = verdict("recompute", CKPT, measured(GROWING, recomputes=0, compile_ms=2400.0))
+    assert not kept.ok and "the checkpointed blocks kept their activations, so nothing was freed" in kept.message
+    eager = verdict("recompute", CKPT, measured(FLAT, recomputes=0))
+    assert not eager.ok  # eager, a zero count is the proof that nothing was recomputed
