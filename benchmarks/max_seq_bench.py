@@ -16,6 +16,13 @@
     # e.g. the headline pair (about 40 minutes):
     PYTHONPATH=. python benchmarks/max_seq_bench.py --variants hf-checkpointing,actcfg-checkpoint-cpu --out bench-out
 
+    # chosen lengths only, no search, inside a time limit (the report is written either way);
+    # a later call reuses what an earlier one measured (this is how the README's 3B figure ran)
+    PYTHONPATH=. python benchmarks/max_seq_bench.py --steps 1 --deadline-s 540 \
+        --at hf-checkpointing=128k,160k --at actcfg-checkpoint-cpu=128k,256k --out run1
+    PYTHONPATH=. python benchmarks/max_seq_bench.py --steps 1 --deadline-s 540 \
+        --resume run1/max_seq.json --at hf-checkpointing=192k --out run2
+
 For a Llama shape (LlamaConfig + LlamaForCausalLM from transformers, random weights, bf16
 parameters and AdamW states, batch 1) it finds, per variant, the longest sequence at which one
 full training step (forward, loss, backward, AdamW step) fits: doubling from --start until a
@@ -197,8 +204,7 @@ def find_longest(fits: Callable[[int], bool], start: int, granularity: int, limi
 def try_lengths(fits: Callable[[int], bool], lengths: list[int]) -> Search:
     """Run the given lengths in ascending order, with no search: the longest that fit is a lower
     bound on the variant's longest, the shortest that failed above it an upper bound. A length
-    past a failure is still run (memory need not be monotonic in a benchmark's eyes: say so if
-    it is not)."""
+    above a failure is still run, so the report would show a fit that memory does not explain."""
     out = Search()
     for length in sorted(set(lengths)):
         ok = fits(length)
@@ -999,7 +1005,7 @@ def main(argv: list[str] | None = None) -> int:
                                            "shortest_failing": o.search.shortest_failing,
                                            "limit_reached": o.search.limit_reached, "tried": o.search.tried,
                                            "unavailable": o.unavailable, "error": o.error,
-                                           "not_run_deadline": o.skipped,
+                                           "not_measured": o.skipped,
                                            "runs": {str(L): r for L, r in sorted(o.runs.items())}}
                                        for k, o in outcomes.items()}}
     _write(args.out / "max_seq.json", json.dumps(data, indent=1))
