@@ -58,17 +58,19 @@ class LiveBytes:
                 # a parameter's `.t()` in every Linear would otherwise count the weights as
                 # activations, held until the step ends (3 block inputs per Llama layer of
                 # hidden 128, on top of the 1 a checkpointed layer keeps).
-                given = {t.untyped_storage().data_ptr()
-                         for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+                given: set[int] | None = None  # the inputs' storages, read only when needed
                 for t in tree_flatten(out)[0]:
                     if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                         storage = t.untyped_storage()
                         key = storage.data_ptr()
-                        if key in given:
-                            continue
                         known = live.get(key)
                         if known is not None and not meter._expired(known[0].cdata):
                             continue  # a view, or an op that wrote in place: nothing new
+                        if given is None:
+                            given = {a.untyped_storage().data_ptr() for a in
+                                     tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+                        if key in given:
+                            continue
                         if not swept:  # frees matter only when something new is counted
                             meter._sweep()
                             swept = True
