@@ -290,11 +290,6 @@ def _held(handle: Any) -> dict[str, int | None]:
             "keep_last": int(engine.keep_last)}
 
 
-def handle_compiled(handle: Any) -> bool:
-    """Whether the policy's `compile:` compiled something (the handle says what)."""
-    return getattr(handle, "compiled", None) is not None
-
-
 class _Counted:
     """The runtime's recompute counter when the measured steps began (a compiled policy's
     warm-up steps recompute too, and are not the measured steps)."""
@@ -417,9 +412,10 @@ def measure_here(
                 raise VerifyError(f"the model failed without the policy: {e}") from e
             pool_before = _pinned_pool_bytes()
             counted = _Counted(handle)
+            compiled = getattr(handle, "compiled", None) is not None
             try:
                 policy_run, compile_ms = _measure(ours, blocks, args, kwargs, loss, steps,
-                                                  compiled=handle_compiled(handle), timed=counted.start)
+                                                  compiled=compiled, timed=counted.start)
             except RuntimeError as e:
                 raise VerifyError(f"the model failed under the policy: {e}") from e
         grads = _grad_diffs(plain, ours)
