@@ -15,13 +15,15 @@ from actcfg.plan.write import exact_pattern
 pytestmark = pytest.mark.slow
 
 
-def _gpt2_under_autocast() -> torch.nn.Module:
+def _gpt2(autocast: bool) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     # use_cache stays at GPT-2's default (True), as a Trainer leaves it
-    model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=64, n_head=4, n_positions=64,
-                                       vocab_size=256, bos_token_id=0, eos_token_id=0))
+    model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=64, n_head=4, n_positions=128,
+                                       vocab_size=128, bos_token_id=0, eos_token_id=0))
+    if not autocast:
+        return model
     forward = model.forward
 
     def autocast_forward(*args, **kwargs):
@@ -38,12 +40,9 @@ def _rules(names: list[str], choices: tuple[str, ...]) -> str:
     return "version: 1\ncheckpoint:\n  mode: rules\n  rules:\n" + "".join(rules)
 
 
-def test_gpt2_under_autocast_plans_predict_the_peak_their_step_measures():
-    """Uniform and mixed plans within 5% of the measured step. The profile's keep run once ran
-    bare, building the KV cache (`use_cache`) that any applied policy turns off: keep and every
-    plan whose last block kept its activations were over-predicted by the cache's bytes."""
-    model = _gpt2_under_autocast()
-    ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(1))
+def _errors(model: torch.nn.Module) -> dict[tuple[str, ...], float]:
+    """(predicted - measured) / measured peak per plan, each measured with the plan applied."""
+    ids = torch.randint(0, 128, (4, 128), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids}
 
     def loss(outputs):
@@ -53,10 +52,30 @@ def test_gpt2_under_autocast_plans_predict_the_peak_their_step_measures():
                        choices=("keep", "full"))
     names = [b.name for b in profiled.blocks]
     errors = {}
-    for choices in [("keep",) * 4, ("full",) * 4, ("full", "full", "keep", "keep"),
+    for choices in [("keep",) * 4, ("full",) * 4, ("full", "full", "full", "keep"),
                     ("keep", "keep", "full", "full"), ("full", "keep", "full", "keep")]:
         predicted = predict(profiled, choices)[1]
         with _apply_trial(model, _rules(names, choices)):
             _, measured = measure_steps(model, batch, loss_fn=loss)
-        errors[choices] = round((predicted - measured) / measured, 3)
-    assert all(abs(e) <= 0.05 for e in errors.values()), errors
+        errors[choices] = round((predicted - measured) / measured, 4)
+    return errors
+
+
+def test_gpt2_plans_predict_the_peak_their_step_measures():
+    """Uniform and mixed plans exact (within 0.5%; they are to the byte) on a GPT-2 that keeps
+    `use_cache` on. The profile's keep run once ran bare and built the KV cache that any applied
+    policy turns off: keep was over-predicted by 2.2%, plans ending in kept blocks after
+    checkpointed ones by 3.5-4.7%."""
+    errors = _errors(_gpt2(autocast=False))
+    assert all(abs(e) <= 0.005 for e in errors.values()), errors
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "under autocast a checkpointed block's bf16 weight casts live in autocast's cache until the "
+    "forward's autocast region ends (past the loss, inside HF's forward); the turn measured for a "
+    "kept last block has none of them, so a plan of checkpointed blocks then a kept last block "
+    "is under-predicted (-2.4% here)"))
+def test_gpt2_under_autocast_plans_predict_the_peak_their_step_measures():
+    """As above, under CPU autocast (bf16), within 1%."""
+    errors = _errors(_gpt2(autocast=True))
+    assert all(abs(e) <= 0.01 for e in errors.values()), errors
