@@ -149,9 +149,11 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
          pin_budget: int | None, taken: Sequence[str], compile: Compile | None = None,
          spent: list[float] | None = None) -> Run:
     # `taken`: the modules the choice's rule names (the blocks, or their parts for `split`);
-    # the probe and the byte counts stay on the blocks either way.
-    handle = None if choice == "keep" and compile is None else \
-        apply(model, _uniform(taken, choice, pin, pin_budget, compile))
+    # the probe and the byte counts stay on the blocks either way. Keep too runs as applied (a
+    # `mode: none` rule), as the plan will: applying any policy turns a Hugging Face model's
+    # `use_cache` off (`prepare_hf_model`), and a bare keep run built a KV cache no plan builds
+    # (a tiny GPT-2: every keep term two block-sized tensors per layer over its plan's step).
+    handle = apply(model, _uniform(taken, choice, pin, pin_budget, compile))
     probe = Probe(modules, meter)
     spent = [] if spent is None else spent
     compiled = compile is not None
@@ -175,15 +177,14 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
         unprobed, _ = measure_steps(model, kwargs if kwargs else tuple(args), loss_fn=loss_fn,
                                     steps=steps, count=meter.memory)
         moved = [0] * len(names)
-        if handle is not None and handle.engine is not None:
+        if handle.engine is not None:
             by_name = {}
             for g in handle.offload_groups():
                 by_name[g["module"]] = by_name.get(g["module"], 0) + g["offloaded_bytes"]
             moved = [by_name.get(n, 0) for n in names]
     finally:
         probe.remove()
-        if handle is not None:
-            handle.remove()
+        handle.remove()
     last = measured[-1]
     last.step_ms = min(s.step_ms for s in measured)
     if last.step_ms > 0 and unprobed > 0:
@@ -326,10 +327,8 @@ def profile(
 @contextlib.contextmanager
 def _trial(model: nn.Module, names: Sequence[str], compile: Compile | None, pin: bool,
            pin_budget: int | None, apply: Apply) -> Iterator[None]:
-    """The plain model for the keep count: as it is, or compiled with a `mode: none` rule."""
-    if compile is None:
-        yield
-        return
+    """The plain model for the keep count, with a `mode: none` rule (compiled with `compile`):
+    as the plan runs it (a Hugging Face model's `use_cache` off, see `_run`)."""
     handle = apply(model, _uniform(names, "keep", pin, pin_budget, compile))
     try:
         yield
