@@ -125,6 +125,9 @@ def reduce_profiles(profiles: Sequence[Profile]) -> Profile:
         turn_peak=max(p.turn_peak for p in profiles),
         turn_peaks={c: max(p.turn_peaks[c] for p in profiles) for c in first.turn_peaks
                     if all(c in p.turn_peaks for p in profiles)},
+        after_turn_peak=max(p.after_turn_peak for p in profiles),
+        after_turn_peaks={c: max(p.after_turn_peaks[c] for p in profiles) for c in first.after_turn_peaks
+                          if all(c in p.after_turn_peaks for p in profiles)},
         largest_storage=max(p.largest_storage for p in profiles),
         window_storages=max(p.window_storages for p in profiles),
         forward_after_ms=min(p.forward_after_ms for p in profiles),

@@ -43,10 +43,11 @@ def _memory_notes(runs: dict[str, Run], cuda: bool) -> list[str]:
 def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run], device: str,
               d2h: float, h2d: float, notes: list[str], *,
               parts: list[tuple[str, ...]] | None = None, largest_storage: int = 0,
-              window_storages: int = 0) -> Profile:
+              window_storages: int = 0, left: dict[str, list[int]] | None = None) -> Profile:
     """The profile from the byte counts and the uniform runs (see `Option` for each term);
     `parts` names each block's parts (`checkpoint.submodules`); `largest_storage` and
-    `window_storages` state the offload engine's copy window (see `Profile`)."""
+    `window_storages` state the offload engine's copy window (see `Profile`); `left`, per
+    choice counted, what each block's forward leaves alive until the turn (`Option.left`)."""
     n = len(names)
     parts = parts or [()] * n
     cuda = device == "cuda"
@@ -66,9 +67,19 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
             hold[choice.name] = [max(0, h - m) for h, m in zip(hold[choice.counterpart],
                                                                moved[choice.name])]
     usable = [c for c in CHOICES if c in hold and (c in runs or (c == "keep" and estimated_keep))]
+    # What each block leaves until the turn: counted per on-device choice; an offload choice
+    # runs its twin's forward, so it leaves what its twin leaves.
+    lasts = {c: list(v) for c, v in (left or {}).items()}
+    for choice in CHOICE_TABLE:
+        if choice.counterpart in lasts:
+            lasts[choice.name] = lasts[choice.counterpart]
+    lasts = {c: lasts.get(c, [0] * n) for c in CHOICES}
 
-    def before(c: str, b: int) -> int:
+    def before(c: str, b: int) -> int:  # what the blocks before b hold in a uniform run of c
         return sum(hold[c][:b])
+
+    def forward_before(c: str, b: int) -> int:  # ... and left, at b's forward (b = n: the turn)
+        return before(c, b) + sum(lasts[c][:b])
 
     # What the model adds above the blocks' held bytes for each uniform run (copies in flight,
     # reloads), from solve's own terms: measured minus these is what each option records.
@@ -86,10 +97,10 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
         source = runs[ran]
         for b in range(n):
             if cuda or source.step.memory:
-                fwd = source.step.forward_peak[b] - before(ran, b) - copies[ran][0][b]
+                fwd = source.step.forward_peak[b] - forward_before(ran, b) - copies[ran][0][b]
                 bwd = source.step.backward_peak[b] - before(ran, b) - copies[ran][1][b]
                 if ran != c:
-                    fwd += hold["keep"][b] - hold["full"][b]
+                    fwd += hold["keep"][b] - hold["full"][b] + lasts["keep"][b] - lasts["full"][b]
             else:  # not read (compiled on the CPU): its activations while it runs, and again in backward
                 fwd = hold["keep"][b]
                 bwd = hold["keep"][b] + hold[c][b] + moved[c][b]
@@ -99,14 +110,20 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
             else:
                 recompute = 0.0
             options[b][c] = Option(held=hold[c][b], moved=moved[c][b], forward_peak=max(0, fwd),
-                                   backward_peak=max(0, bwd), recompute_ms=recompute, extra_ms=recompute)
-    turn_peaks = [r.step.turn_peak - sum(hold[c]) - copies[c][2]
-                  for c, r in runs.items() if c in hold and (cuda or r.step.memory)] or [0]
+                                   backward_peak=max(0, bwd), recompute_ms=recompute, extra_ms=recompute,
+                                   left=lasts[c][b])
+    # The turn in two parts: until the model's forward returns, with what the blocks left, and
+    # after, without it (under autocast the casts go as its region ends with the forward: a
+    # GPT-2 under CPU autocast, after them on a kept last block, over-predicted checkpointed
+    # blocks then a kept one by a block's casts).
+    read = {c: r.step for c, r in runs.items() if c in hold and (cuda or r.step.memory)}
+    turn_peaks = [st.turn_forward_peak - forward_before(c, n) - copies[c][2] for c, st in read.items()] or [0]
+    after_peaks = [st.turn_after_peak - before(c, n) - copies[c][2] for c, st in read.items()] or [0]
     # Per choice of the last block, its run's own turn: the head's start meets the last block's
     # copies, its peak (logits, the loss) need not, so adding both to the largest turn counted
     # a whole block twice (a CPU Llama of 8 layers: +32% over its measured offload run).
-    turn_by = {c: max(0, r.step.turn_peak - sum(hold[c]))
-               for c, r in runs.items() if c in hold and (cuda or r.step.memory)}
+    turn_by = {c: max(0, st.turn_forward_peak - forward_before(c, n)) for c, st in read.items()}
+    after_by = {c: max(0, st.turn_after_peak - before(c, n)) for c, st in read.items()}
     measured = {c: {"step_ms": r.step.step_ms, "peak": r.step.peak} for c, r in runs.items()}
     plain_ms = ref.step.step_ms if not estimated_keep else ref.step.step_ms - sum(
         o["full"].recompute_ms for o in options)
@@ -117,6 +134,8 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
         plain_peak=0,
         turn_peak=max(0, max(turn_peaks)),
         turn_peaks=turn_by,
+        after_turn_peak=max(0, max(after_peaks)),
+        after_turn_peaks=after_by,
         forward_after_ms=ref.step.forward_after_ms,
         backward_before_ms=ref.step.backward_before_ms,
         outside_peak=max([r.step.outside_peak for r in runs.values() if cuda or r.step.memory] or [0]),
@@ -134,7 +153,7 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
         for b in range(n):
             o = options[b][c]
             options[b][c] = Option(o.held, o.moved, o.forward_peak, o.backward_peak, o.recompute_ms,
-                                   o.recompute_ms + extra)
+                                   o.recompute_ms + extra, o.left)
     for b in range(n):
         for c in list(options[b]):
             o = options[b][c]
@@ -143,12 +162,14 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
             if twin in options[b]:  # an offload never costs less than its on-device twin
                 floor = max(floor, options[b][twin].extra_ms + MIN_EXTRA_MS)
             if o.extra_ms < floor:
-                options[b][c] = Option(o.held, o.moved, o.forward_peak, o.backward_peak, o.recompute_ms, floor)
+                options[b][c] = Option(o.held, o.moved, o.forward_peak, o.backward_peak, o.recompute_ms, floor,
+                                       o.left)
     out = Profile(
         blocks=tuple(BlockProfile(name, f, g, opts, ps)
                      for name, f, g, opts, ps in zip(names, forward_ms, backward_ms, options, parts)),
         plain_step_ms=base.plain_step_ms, plain_peak=0, turn_peak=base.turn_peak,
-        turn_peaks=base.turn_peaks,
+        turn_peaks=base.turn_peaks, after_turn_peak=base.after_turn_peak,
+        after_turn_peaks=base.after_turn_peaks,
         forward_after_ms=base.forward_after_ms, backward_before_ms=base.backward_before_ms,
         outside_peak=base.outside_peak,
         d2h_gbps=d2h, h2d_gbps=h2d, largest_storage=largest_storage,
@@ -158,6 +179,7 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
         else predict(out, ("keep",) * n)[1]
     return Profile(blocks=out.blocks, plain_step_ms=out.plain_step_ms, plain_peak=plain_peak,
                    turn_peak=out.turn_peak, turn_peaks=out.turn_peaks,
+                   after_turn_peak=out.after_turn_peak, after_turn_peaks=out.after_turn_peaks,
                    forward_after_ms=out.forward_after_ms,
                    backward_before_ms=out.backward_before_ms, outside_peak=out.outside_peak,
                    d2h_gbps=d2h, h2d_gbps=h2d, largest_storage=largest_storage,

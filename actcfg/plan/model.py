@@ -81,10 +81,11 @@ COUNTERPART: dict[str, str] = {c.name: c.counterpart for c in CHOICE_TABLE if c.
 class Option:
     """What one block costs under one choice.
 
-    The memory model (see `actcfg.plan.solve`): with S the bytes the blocks before this one hold,
-    its forward peaks at S + (copies still in flight) + `forward_peak`, its backward at
-    S + (the reload of the block below, started during it) + `backward_peak`, and from its
-    forward to its backward it adds `held` to what every later block sees.
+    The memory model (see `actcfg.plan.solve`): with S the bytes the blocks before this one hold
+    and L what their forwards left until the turn, its forward peaks at S + L + (copies still in
+    flight) + `forward_peak`, its backward at S + (the reload of the block below, started during
+    it) + `backward_peak`, and from its forward to its backward it adds `held` to what every
+    later block sees (and `left` to what every later forward and the turn see).
     """
 
     held: int
@@ -101,6 +102,11 @@ class Option:
     extra_ms: float = 0.0
     """Everything this choice adds to a plain step besides copies the model prices separately:
     the recompute, and what the uniform run of this choice measured beyond the model."""
+    left: int = 0
+    """Bytes the block's forward leaves alive beyond `held` until the forward/backward turn:
+    what it made that something other than autograd holds until the forward ends (under
+    autocast, the casts of weights it does not save, cached until the autocast region ends).
+    Every later block's forward and the turn see it; no backward does."""
 
 
 @dataclass(frozen=True)
@@ -133,8 +139,9 @@ class Profile:
     plain_peak: int
     """Peak bytes of a step with no policy."""
     turn_peak: int
-    """Peak around the forward/backward turn above what the blocks hold (what runs after the
-    blocks: a head, the loss, the start of backward)."""
+    """Peak around the forward/backward turn above what the blocks hold and left (what runs
+    after the blocks: a head, the loss, the start of backward; with `after_turn_peak`, only
+    until the model's forward returns)."""
     forward_after_ms: float
     """Forward compute after the last block (the last block's copy can hide behind it)."""
     backward_before_ms: float
@@ -154,6 +161,13 @@ class Profile:
     that choice's uniform run measured it, the last block's copies in flight and reloads ahead
     included (they meet the head's start, not necessarily its peak). A choice not here: its
     copies at the turn added to `turn_peak`, the largest of the turns."""
+    after_turn_peak: int = 0
+    """The largest of `after_turn_peaks`: the turn after the model's forward returned, above
+    what the blocks hold (what they left is gone by then); the turn is the larger of this and
+    `turn_peak` with what the blocks left."""
+    after_turn_peaks: dict[str, int] = field(default_factory=dict)
+    """Per choice of the last block, the part of its turn after the model's forward returned,
+    as `turn_peaks` (a choice not here: `after_turn_peak`)."""
     window_storages: int = 0
     """The engine's copy window, in `largest_storage`s, per `max_inflight` in forward (copies in
     flight) and per prefetch in backward (reloads ahead of their use): the engine copies storage

@@ -193,6 +193,12 @@ class StepReading:
     step_ms: float = 0.0
     peak: int = 0
     turn_peak: int = 0
+    """Peak from the last block's forward end to the first backward mark (the whole turn)."""
+    turn_forward_peak: int = 0
+    """The turn's peak until the model's forward returns (the head, a loss computed inside it)."""
+    turn_after_peak: int = 0
+    """The turn's peak after the model's forward returned (the loss outside it, the start of
+    backward): what the blocks left until the forward's end (`Option.left`) is gone by then."""
     outside_peak: int = 0
     forward_after_ms: float = 0.0
     backward_before_ms: float = 0.0
@@ -231,6 +237,7 @@ class Probe:
         self.fwd_peak = [0] * n
         self.bwd_peak = [0] * n
         self.turn_peak = 0
+        self.turn_forward_peak = 0
         self.head_peak = 0
         self.open: int | None = None  # block whose backward is running
         self.marks: dict[int, tuple[list[int], list[int], weakref.ref[torch.Tensor]]] = {}
@@ -314,6 +321,8 @@ class Probe:
         try:
             start = meter.tick()
             output = model(*args, **kwargs)
+            if self.turn_open:  # the turn so far, while the forward still ran
+                self.turn_forward_peak = meter.peak_and_reset()
             loss = loss_fn(output)
             after = meter.tick()
             backward = meter.tick()
@@ -341,7 +350,9 @@ class Probe:
             backward_peak=list(self.bwd_peak),
             step_ms=meter.ms(start, done),
             peak=meter.step_peak,
-            turn_peak=self.turn_peak,
+            turn_peak=max(self.turn_forward_peak, self.turn_peak),
+            turn_forward_peak=self.turn_forward_peak,
+            turn_after_peak=self.turn_peak,
             outside_peak=max(self.head_peak, tail),
             forward_after_ms=meter.ms(self.fwd_end[last], after),
             backward_before_ms=meter.ms(backward, self.bwd_start[last]),

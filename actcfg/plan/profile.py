@@ -243,13 +243,16 @@ def profile(
     loss = loss_fn or default_loss
     notes: list[str] = []
     runs: dict[str, Run] = {}
+    left: dict[str, list[int]] = {}  # per choice, what each block leaves alive until the turn
     with _restored(model), _quiet():
         model.train()
         with torch.enable_grad():
             try:
                 with _compiling(spent, compiled), _trial(model, names, compile, pin, pin_budget, apply):
                     largest = [0] * len(blocks)
-                    held = {"keep": saved_bytes(model, blocks, args, kwargs, largest=largest)}
+                    left["keep"] = [0] * len(blocks)
+                    held = {"keep": saved_bytes(model, blocks, args, kwargs, largest=largest,
+                                                left=None if compiled else left["keep"])}
             except torch.cuda.OutOfMemoryError:
                 oom = True
             else:
@@ -265,8 +268,12 @@ def profile(
                 if choice in wanted:
                     handle = apply(model, _uniform(taken(choice), choice, pin, pin_budget, compile))
                     try:
+                        left[choice] = [0] * len(blocks)
+                        apart = resolve_ops(DEFAULT_SAVE_OPS) if choice == "selective" else ()
                         with _compiling(spent, compiled):
-                            held[choice] = saved_bytes(model, blocks, args, kwargs)
+                            held[choice] = saved_bytes(model, blocks, args, kwargs,
+                                                       left=None if compiled else left[choice],
+                                                       kept_apart=apart)
                     finally:
                         handle.remove()
             # Eager, its inputs (counted above) and its saved ops' outputs, which bypass the
@@ -314,7 +321,7 @@ def profile(
             "eagerly): the plan would say nothing about the compiled run; run with "
             "TORCH_LOGS=recompiles,graph_breaks to see why, or remove `compile`")
     offloaded = any(c in runs for c in OFFLOADS)
-    profiled = assemble(names, held, runs, device.type, d2h, h2d, notes, parts=part_names,
+    profiled = assemble(names, held, runs, device.type, d2h, h2d, notes, parts=part_names, left=left,
                         largest_storage=max(largest, default=0) if offloaded else 0,
                         window_storages=WINDOW_STORAGES if offloaded else 0)
     compile_ms = sum(spent)

@@ -83,6 +83,11 @@ class _Storages:
         self._seen[key] = self._ref(storage)
         return True
 
+    def alive(self, key: int) -> bool:
+        """True when a storage counted under address `key` is still alive."""
+        known = self._seen.get(key)
+        return known is not None and not self._expired(known.cdata)
+
 
 class _OpOutputs(TorchDispatchMode):
     """Adds the storage bytes of every output of `ops` to the running candidate's count."""
@@ -103,15 +108,71 @@ class _OpOutputs(TorchDispatchMode):
         return result
 
 
+class _Created(TorchDispatchMode):
+    """Remembers the storages ops create inside each candidate's forward (not an input's, and
+    each once), to read at the turn which of them are still alive without being saved."""
+
+    def __init__(self, where: _Attribution, skip_ops: set[Any]) -> None:
+        super().__init__()
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self.where, self.skip_ops, self._ref = where, skip_ops, StorageWeakRef
+        self.made: dict[int, tuple[Any, int, int]] = {}  # address -> (weak ref, bytes, candidate)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        i = self.where.current
+        # Outputs of the ops selective checkpointing saves are kept by its own cache, beside
+        # autograd's hooks: they are what `selective` holds (counted apart), not left over.
+        if i is None or func in self.skip_ops or getattr(func, "overloadpacket", None) in self.skip_ops:
+            return result
+        given = None
+        for t in tree_flatten(result)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if not storage.nbytes():
+                    continue
+                if given is None:  # a view, or an op that wrote into its input: nothing new
+                    given = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0]
+                             if isinstance(a, torch.Tensor)}
+                if storage.data_ptr() not in given:
+                    self.made[storage.data_ptr()] = (self._ref(storage), storage.nbytes(), i)
+        return result
+
+    def left(self, n: int, saved: _Storages, passed: set[int]) -> list[int]:
+        """Per candidate, bytes of the storages it made that are alive now, neither saved nor in
+        `passed` (what the last candidate takes and gives: the caller holds both)."""
+        out = [0] * n
+        expired = torch.UntypedStorage._expired  # type: ignore[attr-defined]
+        revive = torch.UntypedStorage._new_with_weak_ptr  # type: ignore[attr-defined]
+        for key, (ref, nbytes, i) in self.made.items():
+            if expired(ref.cdata) or revive(ref.cdata).data_ptr() != key or key in passed:
+                continue
+            if saved.alive(key):
+                continue
+            out[i] += nbytes
+        return out
+
+
 def saved_bytes(model: nn.Module, modules: Sequence[nn.Module], args: tuple[Any, ...],
                 kwargs: dict[str, Any], save_ops: Sequence[Any] = (),
-                largest: list[int] | None = None) -> list[int]:
+                largest: list[int] | None = None, left: list[int] | None = None,
+                kept_apart: Sequence[Any] = ()) -> list[int]:
     """Bytes of the storages autograd saves inside each module's forward (its first call; each
     storage counted once, parameters and leaves that require grad left out); with `save_ops`,
     the bytes of those ops' outputs there instead (what selective checkpointing keeps besides
     the inputs: up to torch 2.13 they bypass saved-tensor hooks). One forward, graph dropped.
     `largest`, when given (one entry per module), gets each module's largest storage counted:
-    the unit of the offload engine's copy window."""
+    the unit of the offload engine's copy window.
+
+    `left`, when given (one entry per module, not with `save_ops`), gets what each module's
+    forward leaves alive when the last module's forward ends beyond the storages saved: storages
+    it made that something other than autograd holds until the turn. Under autocast these are
+    the casts of the weights it did not save (autocast caches a parameter's cast until its
+    region ends, past the loss inside a Hugging Face model's forward): a checkpointed block
+    saves none of them and still holds them all through the rest of the forward. `kept_apart`:
+    ops whose outputs the policy keeps by other means (selective checkpointing's saved ops),
+    not left over. Eager only: compiled graphs run below the dispatch mode that sees the ops."""
     where = _Attribution(modules)
     out = [0] * len(modules)
     seen = _Storages()
@@ -129,12 +190,26 @@ def saved_bytes(model: nn.Module, modules: Sequence[nn.Module], args: tuple[Any,
         # see, and this forward (never followed by backward) would keep everything it saved.
         return t.detach()
 
+    made = _Created(where, set(kept_apart)) if left is not None else None
+    turn = []
+    if made is not None:
+        def at_turn(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if turn:
+                return
+            passed = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs, output))[0]
+                      if isinstance(t, torch.Tensor)}
+            turn.append(made.left(len(modules), seen, passed))
+        turn_hook = modules[-1].register_forward_hook(at_turn, with_kwargs=True)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            mode = _OpOutputs(set(save_ops), where, out, seen) if save_ops else contextlib.nullcontext()
+            mode = _OpOutputs(set(save_ops), where, out, seen) if save_ops else made or contextlib.nullcontext()
             with mode:
                 result = model(*args, **kwargs)
         del result
     finally:
         where.remove()
+        if made is not None:
+            turn_hook.remove()
+    if left is not None and turn:
+        left[:] = turn[0]
     return out

@@ -6,10 +6,11 @@ The model, for blocks 0..n-1 in forward order with choices c (S_b: bytes blocks 
 the sum of their `held`; M_b: bytes block b copies each way; d_b, h_b: those copies' times):
 
 * peak = the largest of what runs outside the blocks (`outside_peak`) and, for every block b,
-  its forward (S_b + in flight + `forward_peak`) and
-  its backward (S_b + reloads ahead of their use + `backward_peak`), and the turn (S_n + the
-  turn the profile measured with the last block's choice, `turn_peaks`, + block n-2's copy if
-  still in flight). The copies follow the engine's schedule: every offloaded block but the
+  its forward (S_b + L_b + in flight + `forward_peak`, L_b: what blocks 0..b-1 left alive
+  until the turn, the sum of their `left`) and
+  its backward (S_b + reloads ahead of their use + `backward_peak`), and the turn (S_n + L_n +
+  the turn the profile measured with the last block's choice, `turn_peaks`, + block n-2's copy
+  if still in flight). The copies follow the engine's schedule: every offloaded block but the
   last leaves storage by storage, at most W = `window_storages` x `largest_storage` x
   `max_inflight` bytes in flight; the last offloaded block (the group that stays for backward)
   holds its storages to its end (its forward peaks as its on-device twin's) and leaves whole,
@@ -29,7 +30,7 @@ the sum of their `held`; M_b: bytes block b copies each way; d_b, h_b: those cop
 
 Every term depends on a block and its neighbours only, so an exact dynamic program over the
 blocks finds the optimum: states are the last two choices, each holding the Pareto front of
-(bytes held so far, time so far); a front larger than `MAX_FRONT` is thinned to the fastest
+(bytes held so far, bytes left until the turn so far, time so far); a front larger than `MAX_FRONT` is thinned to the fastest
 entry per 1/MAX_FRONT of the budget, which keeps every plan within the budget (bytes are never
 rounded) but may miss the optimum by that grain. Ties go to fewer bytes copied: an offload
 costs at least its on-device twin (the profile clamps it so), so a plan offloads a block only
@@ -38,7 +39,6 @@ where the twin would not fit, that is, where the offload lowers the peak.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,21 +222,29 @@ class _Terms:
             return self.p.blocks[b].options[twin].forward_peak
         return self.opt(b, c).forward_peak
 
-    def need(self, b: int, p2: str | None, p1: str | None, c: str) -> int:
-        """Bytes block b needs above S (the larger of its forward and backward peaks)."""
-        o = self.opt(b, c)
+    def need(self, b: int, p2: str | None, p1: str | None, c: str) -> tuple[int, int]:
+        """Bytes block b needs in its forward above S + L (what the blocks before it hold and
+        left) and in its backward above S (what they left is gone by then)."""
         forward = self.inflight(b, p2, p1, c) + self.forward_peak(b, c)
-        backward = self.reload_ahead(b, p1, c) + o.backward_peak
-        return max(forward, backward)
+        backward = self.reload_ahead(b, p1, c) + self.opt(b, c).backward_peak
+        return forward, backward
 
-    def turn(self, p2: str | None, p1: str | None) -> int:
-        """Bytes needed above S_n at the forward/backward turn: where the profile measured a
-        turn for the last block's choice, that turn and the copies of block n-2 still in flight
-        beside it (`turn_copies(..., own=False)`); else the largest turn with the copies."""
-        measured = self.p.turn_peaks.get(_base(p1)) if p1 is not None else None
+    def left(self, b: int, c: str) -> int:
+        return self.opt(b, c).left
+
+    def turn(self, p2: str | None, p1: str | None, left: int = 0) -> int:
+        """Bytes needed above S_n at the forward/backward turn, `left` being what the blocks
+        left until the forward's end: where the profile measured a turn for the last block's
+        choice, that turn and the copies of block n-2 still in flight beside it
+        (`turn_copies(..., own=False)`); else the largest turn with the copies. The turn is
+        the larger of its part until the model's forward returns (with `left`) and after."""
+        base = _base(p1) if p1 is not None else None
+        measured = self.p.turn_peaks.get(base) if base is not None else None
+        after = self.p.after_turn_peaks.get(base, self.p.after_turn_peak) if base is not None \
+            else self.p.after_turn_peak
         if measured is None:
-            return self.turn_copies(p2, p1) + self.p.turn_peak
-        return self.turn_copies(p2, p1, own=False) + measured
+            return self.turn_copies(p2, p1) + max(left + self.p.turn_peak, self.p.after_turn_peak)
+        return self.turn_copies(p2, p1, own=False) + max(left + measured, after)
 
     def turn_copies(self, p2: str | None, p1: str | None, own: bool = True) -> int:
         """Copies on the device at the turn: in flight, or, with the engine's window, the larger
@@ -312,38 +320,52 @@ def predict(profile: Profile, choices: tuple[str, ...] | list[str], max_inflight
         raise ValueError(f"{len(choices)} choices for {t.n} blocks")
     step = profile.plain_step_ms
     peak = 0
-    held = 0
+    held = left = 0
     p2: str | None = None
     p1: str | None = None
     for b, c in enumerate(_labels(choices)):
-        peak = max(peak, held + t.need(b, p2, p1, c))
+        forward, backward = t.need(b, p2, p1, c)
+        peak = max(peak, held + left + forward, held + backward)
         held += t.opt(b, c).held
+        left += t.left(b, c)
         step += t.cost(b, c)
         if b >= 1:
             step += t.exposed(b - 1, p1, c)
         p2, p1 = p1, c
     if t.n:
         step += t.exposed(t.n - 1, p1, None)
-    peak = max(peak, held + t.turn(p2, p1), profile.outside_peak)
+    peak = max(peak, held + t.turn(p2, p1, left), profile.outside_peak)
     return step, peak
 
 
-def _prune(entries: list[tuple[Any, ...]], grain: float) -> list[tuple[Any, ...]]:
-    """The Pareto front of (held, (time, bytes)); thinned to one entry per `grain` of held bytes
-    when larger than MAX_FRONT."""
-    entries.sort(key=lambda e: (e[0], e[1], e[2]))
+def _dominant(entries: list[tuple[Any, ...]], key: Any) -> list[tuple[Any, ...]]:
+    """The Pareto front of entries (held, left, ...): none kept has both bytes and `key` no
+    better than another kept one's. Sorted by held (then left, then key)."""
+    entries.sort(key=lambda e: (e[0], e[1], key(e)))
     front: list[tuple[Any, ...]] = []
-    best: tuple[float, int] | None = None
+    if len({e[1] for e in entries}) <= 1:  # left the same everywhere (no autocast): a staircase
+        best = None
+        for e in entries:
+            if best is None or key(e) < best:
+                front.append(e)
+                best = key(e)
+        return front
     for e in entries:
-        key = (e[1], e[2])
-        if best is None or key < best:
+        k = key(e)
+        if not any(f[1] <= e[1] and key(f) <= k for f in front):
             front.append(e)
-            best = key
+    return front
+
+
+def _prune(entries: list[tuple[Any, ...]], grain: float) -> list[tuple[Any, ...]]:
+    """The Pareto front of (held, left, (time, bytes)); thinned to one entry per `grain` of
+    held bytes when larger than MAX_FRONT."""
+    front = _dominant(entries, lambda e: (e[2], e[3]))
     if len(front) > MAX_FRONT:
         thin: dict[int, tuple[Any, ...]] = {}
         for e in front:
-            bucket = int(e[0] // grain)
-            if bucket not in thin or (e[1], e[2]) < (thin[bucket][1], thin[bucket][2]):
+            bucket = int((e[0] + e[1]) // grain)
+            if bucket not in thin or (e[2], e[3]) < (thin[bucket][2], thin[bucket][3]):
                 thin[bucket] = e
         front = sorted(thin.values(), key=lambda e: e[0])
     return front
@@ -357,15 +379,16 @@ def _fastest(profile: Profile, budget: int, max_inflight: int,
         return None
     grain = max(1.0, budget / MAX_FRONT)
     # state: (choice of block b-2, of block b-1, phase; see `_Terms.labelled`)
-    # entry: (held, time, bytes copied, parent entry, choice)
+    # entry: (held, left, time, bytes copied, parent entry, choice)
     fronts: dict[tuple[str | None, str | None, int], list[tuple[Any, ...]]] = {
-        (None, None, 0): [(0, profile.plain_step_ms, 0, None, None)]}
+        (None, None, 0): [(0, 0, profile.plain_step_ms, 0, None, None)]}
     for b in range(t.n):
         new: dict[tuple[str | None, str | None, int], list[tuple[Any, ...]]] = {}
         for (p2, p1, phase), entries in fronts.items():
             for choice in choices:
                 for c, after in t.labelled(choice, phase):
-                    room = budget - t.need(b, p2, p1, c)
+                    forward, backward = t.need(b, p2, p1, c)
+                    room = budget - max(forward, backward)
                     if room < 0:
                         continue
                     o = t.opt(b, c)
@@ -374,7 +397,9 @@ def _fastest(profile: Profile, budget: int, max_inflight: int,
                     for e in entries:  # sorted by held: past `room`, none fits
                         if e[0] > room:
                             break
-                        out.append((e[0] + o.held, e[1] + dt, e[2] + o.moved, e, choice))
+                        if e[0] + e[1] + forward > budget:
+                            continue
+                        out.append((e[0] + o.held, e[1] + o.left, e[2] + dt, e[3] + o.moved, e, choice))
         fronts = {k: _prune(v, grain) for k, v in new.items() if v}
         if not fronts:
             return None
@@ -387,16 +412,18 @@ def _fastest(profile: Profile, budget: int, max_inflight: int,
         for e in entries:
             if e[0] > room:
                 break
-            cand = (e[1] + tail, e[2], e)
+            if e[0] + t.turn(p2, p1, e[1]) > budget:
+                continue
+            cand = (e[2] + tail, e[3], e)
             if best is None or cand[:2] < best[:2]:
                 best = cand
     if best is None:
         return None
     picked: list[str] = []
     e = best[2]
-    while e[3] is not None:
-        picked.append(e[4])
-        e = e[3]
+    while e[4] is not None:
+        picked.append(e[5])
+        e = e[4]
     return best[0], best[1], tuple(reversed(picked))
 
 
@@ -405,29 +432,22 @@ def lowest_plan(profile: Profile, max_inflight: int = 1) -> tuple[int, tuple[str
     Pareto front of held bytes and peak so far, per state of the last two choices and phase."""
     t = _Terms(profile, max_inflight)
     choices = profile.choices()
-    # entry: (held so far, peak so far, choices so far)
-    fronts: dict[tuple[str | None, str | None, int], list[tuple[int, int, tuple[str, ...]]]] = {
-        (None, None, 0): [(0, 0, ())]}
+    # entry: (held so far, left so far, peak so far, choices so far)
+    fronts: dict[tuple[str | None, str | None, int], list[tuple[int, int, int, tuple[str, ...]]]] = {
+        (None, None, 0): [(0, 0, 0, ())]}
     for b in range(t.n):
-        new: dict[tuple[str | None, str | None, int], list[tuple[int, int, tuple[str, ...]]]] = {}
+        new: dict[tuple[str | None, str | None, int], list[tuple[int, int, int, tuple[str, ...]]]] = {}
         for (p2, p1, phase), entries in fronts.items():
             for choice in choices:
                 for c, after in t.labelled(choice, phase):
-                    need, held = t.need(b, p2, p1, c), t.opt(b, c).held
+                    (forward, backward), o = t.need(b, p2, p1, c), t.opt(b, c)
                     new.setdefault((t.as_before_last(p1), c, after), []).extend(
-                        (s + held, max(pk, s + need), cs + (choice,)) for s, pk, cs in entries)
-        fronts = {}
-        for k, v in new.items():
-            v.sort(key=lambda e: (e[0], e[1]))
-            front, best = [], math.inf
-            for e in v:
-                if e[1] < best:
-                    front.append(e)
-                    best = e[1]
-            fronts[k] = front
-    peak, picked = min(((max(pk, s + t.turn(p2, p1)), cs)
+                        (s + o.held, lf + o.left, max(pk, s + lf + forward, s + backward), cs + (choice,))
+                        for s, lf, pk, cs in entries)
+        fronts = {k: _dominant(v, lambda e: e[2]) for k, v in new.items()}
+    peak, picked = min(((max(pk, s + t.turn(p2, p1, lf)), cs)
                         for (p2, p1, phase), v in fronts.items() if phase != 1
-                        for s, pk, cs in v), key=lambda e: e[0])
+                        for s, lf, pk, cs in v), key=lambda e: e[0])
     return max(profile.outside_peak, peak), picked
 
 

@@ -212,7 +212,8 @@ def test_a_plain_step_that_does_not_fit_is_estimated_from_the_checkpointed_one()
     from actcfg.plan.probe import StepReading as _Step
 
     full = _Step(n=2, forward_ms=[1.0, 1.0], backward_ms=[3.0, 3.0], forward_peak=[50, 60],
-                 backward_peak=[70, 80], step_ms=10.0, peak=80, turn_peak=40, outside_peak=5,
+                 backward_peak=[70, 80], step_ms=10.0, peak=80, turn_peak=40, turn_forward_peak=40,
+                 outside_peak=5,
                  forward_after_ms=0.5, backward_before_ms=0.5)
     held = {"keep": [30, 30], "full": [10, 10]}
     prof = _assemble(["b0", "b1"], held, {"full": _Run(full, [0, 0])}, "cuda", 0.0, 0.0,
