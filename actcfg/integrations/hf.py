@@ -17,8 +17,10 @@ it at once.
 `checkpoint.mode: auto` plans on the first batch the Trainer feeds: a forward pre-hook on the
 model catches the first training call (inside `Trainer.compute_loss`, with the keyword
 arguments it passes the model, `num_items_in_batch` included), profiles steps on that batch with
-the loss `compute_loss` takes from the outputs (`outputs["loss"]`, else `outputs[0]`), applies the
-plan, and lets the call go on: the step is the Trainer's first, before its first optimizer step.
+the loss `compute_loss` takes from the outputs (`outputs["loss"]`, else `outputs[0]`), the outputs
+let go before backward as `compute_loss` lets them go, and, with `gradient_accumulation_steps`
+above 1, every parameter gradient added to each peak (a later micro-batch starts with them),
+applies the plan, and lets the call go on: the step is the Trainer's first, before its first optimizer step.
 The profile puts back gradients, buffers, training mode and the CPU and CUDA RNG state, and
 touches neither the optimizer nor the data loader, so the run sees what it would have seen with
 the plan applied at train begin. The plan is written to `output_dir/actcfg-plan.yaml`;
@@ -69,6 +71,7 @@ from actcfg.integrations._planning import (
     write_plan,
 )
 from actcfg.integrations._report_lines import FirstStepPeak, applied_line, measured_line
+from actcfg.plan import plan_model
 from actcfg.plan.sharded import DDP_WHY, DEEPSPEED_WHY, is_sharded
 from actcfg.policy.schema import Policy
 
@@ -164,12 +167,18 @@ class ActivationPolicyCallback(TrainerCallback):
                 "compute_loss of your own?): call it with keyword arguments only, or write the "
                 "plan with `actcfg plan` and pass plan_file=")
         began = time.perf_counter()
-        self.applied = apply(model, self.policy, backend=Backend.TORCH,
-                                    inputs=dict(kwargs) if kwargs else tuple(args),
-                                    loss_fn=trainer_loss)
-        took = self.plan_seconds = time.perf_counter() - began
-        assert self._run is not None and self.applied.plan is not None
+        assert self._run is not None
         run_args, state = self._run
+        # As the Trainer's step runs: `compute_loss` returns only the loss, so the outputs (the
+        # logits: under bf16, accelerate's fp32 copy of them) are gone before backward; with
+        # gradient accumulation a later micro-batch starts with every gradient.
+        planned = plan_model(model, self.policy, dict(kwargs) if kwargs else tuple(args),
+                             loss_fn=trainer_loss, apply=apply, outputs_held=False,
+                             accumulating=run_args.gradient_accumulation_steps > 1)
+        self.applied = apply(model, planned.policy, backend=Backend.TORCH)
+        self.applied.set_plan(planned.report)
+        took = self.plan_seconds = time.perf_counter() - began
+        assert self.applied.plan is not None
         if state.is_world_process_zero:
             self.plan_written = write_plan(run_args.output_dir, self.applied.plan.policy_yaml)
         self._say(applied_line(self.applied, planned_in_s=took, written=self.plan_written))

@@ -56,7 +56,7 @@ class Planned:
 
 
 def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, apply: Apply,
-               origin: str = "") -> Planned:
+               origin: str = "", outputs_held: bool = True, accumulating: bool = False) -> Planned:
     """Profile `model` on `inputs`, solve for `policy.memory_budget`, and return the plan as a
     `checkpoint.mode: rules` policy with the report of what was planned. `apply` is
     the runtime's applier of a concrete policy (passed in by `actcfg.api`); `origin` names the
@@ -68,7 +68,12 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
 
     A model sharded with FSDP2 is profiled as it trains, its parameters gathered per unit and
     its gradients reduce-scattered in each profiled step (`actcfg.plan.sharded`); DDP and the
-    DeepSpeed engine are refused."""
+    DeepSpeed engine are refused.
+
+    What the training loop does around the model, as the profile cannot see it: `outputs_held`,
+    whether it holds the model's outputs through backward (`Probe.step`); `accumulating`,
+    whether it accumulates gradients over micro-batches, so that a later one starts with every
+    parameter gradient (`Profile.accumulated_grads`)."""
     from actcfg.errors import ActcfgError, PlanError
     from actcfg.plan.consensus import agree, group_of_ranks, one_profile, settle
     from actcfg.plan.profile import profile as run_profile
@@ -94,7 +99,8 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
         local = run_profile(model, policy.checkpoint.modules, inputs,
                             loss_fn=checked if steps is None else steps.loss(checked), apply=apply,
                             pin=policy.pin, pin_budget=policy.pin_budget, compile=policy.compile,
-                            submodules=policy.checkpoint.submodules, strict=across)
+                            submodules=policy.checkpoint.submodules, strict=across,
+                            outputs_held=outputs_held)
     except Exception as e:
         if steps is not None and steps.settled:
             raise  # the ranks agreed at a step's loss: every rank raises this now
@@ -114,7 +120,8 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
     profiled = one_profile(local)  # the identity without a process group
     # How long this rank's profile took, and how it was compiled, are this rank's own readings.
     profiled = dataclasses.replace(profiled, compiled=local.compiled, profile_ms=local.profile_ms,
-                                   compile_ms=local.compile_ms)
+                                   compile_ms=local.compile_ms,
+                                   accumulated_grads=_gradient_bytes(model) if accumulating else 0)
     plan = solve(profiled, policy.memory_budget)
     planned = plan_policy(plan, policy)
     text = policy_yaml(planned, plan, profiled, origin=origin)
@@ -193,3 +200,14 @@ def _refuse_inexact(model: Any, planned: Policy, plan: Plan) -> None:
             + ": a rule's pattern matches class names as well as qualified names, so a module "
             "named like a class of the model cannot be named alone; rename that module, or "
             "plan over other modules (`checkpoint.modules`)")
+
+
+def _gradient_bytes(model: Any) -> int:
+    """Bytes of the gradients of `model`'s trainable parameters on this rank (a sharded
+    parameter's local shard: FSDP2 keeps the reduced gradient sharded)."""
+    total = 0
+    for p in model.parameters():
+        if p.requires_grad:
+            local = getattr(p, "_local_tensor", p)  # a DTensor's shard on this rank
+            total += local.numel() * local.element_size()
+    return total

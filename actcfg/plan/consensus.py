@@ -133,6 +133,7 @@ def reduce_profiles(profiles: Sequence[Profile]) -> Profile:
         forward_after_ms=min(p.forward_after_ms for p in profiles),
         backward_before_ms=min(p.backward_before_ms for p in profiles),
         outside_peak=max(p.outside_peak for p in profiles),
+        accumulated_grads=max(p.accumulated_grads for p in profiles),
         d2h_gbps=min(p.d2h_gbps for p in profiles),
         h2d_gbps=min(p.h2d_gbps for p in profiles),
         device=first.device,

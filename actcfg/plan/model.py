@@ -168,6 +168,12 @@ class Profile:
     after_turn_peaks: dict[str, int] = field(default_factory=dict)
     """Per choice of the last block, the part of its turn after the model's forward returned,
     as `turn_peaks` (a choice not here: `after_turn_peak`)."""
+    accumulated_grads: int = 0
+    """Bytes of the parameter gradients a later micro-batch of gradient accumulation starts
+    with (they live from the first micro-batch's backward to the optimizer step): added to
+    every peak, as that micro-batch's forward and turn meet all of them (its backward meets
+    those the first one's had made by then too, so there it is an upper bound). 0: every step
+    starts without gradients."""
     window_storages: int = 0
     """The engine's copy window, in `largest_storage`s, per `max_inflight` in forward (copies in
     flight) and per prefetch in backward (reloads ahead of their use): the engine copies storage

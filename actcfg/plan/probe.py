@@ -312,7 +312,10 @@ class Probe:
             self.open = i
 
     def step(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-             loss_fn: Callable[[Any], torch.Tensor]) -> StepReading:
+             loss_fn: Callable[[Any], torch.Tensor], outputs_held: bool = True) -> StepReading:
+        """One training step, read; `outputs_held=False`: the model's outputs are let go once
+        the loss is taken, before backward (as `transformers.Trainer.compute_loss` returns only
+        the loss), else they live through backward (as a loop that keeps them)."""
         meter = self.meter
         model.zero_grad(set_to_none=True)
         self._reset()
@@ -324,6 +327,8 @@ class Probe:
             if self.turn_open:  # the turn so far, while the forward still ran
                 self.turn_forward_peak = meter.peak_and_reset()
             loss = loss_fn(output)
+            if not outputs_held:
+                output = None
             after = meter.tick()
             backward = meter.tick()
             loss.backward()

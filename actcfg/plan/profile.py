@@ -147,7 +147,7 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
          args: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor],
          apply: Apply, meter: Meter, steps: int, pin: bool,
          pin_budget: int | None, taken: Sequence[str], compile: Compile | None = None,
-         spent: list[float] | None = None) -> Run:
+         spent: list[float] | None = None, outputs_held: bool = True) -> Run:
     # `taken`: the modules the choice's rule names (the blocks, or their parts for `split`);
     # the probe and the byte counts stay on the blocks either way. Keep too runs as applied (a
     # `mode: none` rule), as the plan will: applying any policy turns a Hugging Face model's
@@ -160,10 +160,10 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
     try:
         # warm-up: pinned pools, allocator, kernels; compiled, until the graphs are all built
         if compiled:
-            spent.append(warm_up(lambda: probe.step(model, args, kwargs, loss_fn)))
+            spent.append(warm_up(lambda: probe.step(model, args, kwargs, loss_fn, outputs_held)))
         else:
-            probe.step(model, args, kwargs, loss_fn)
-        measured = [probe.step(model, args, kwargs, loss_fn) for _ in range(steps)]
+            probe.step(model, args, kwargs, loss_fn, outputs_held)
+        measured = [probe.step(model, args, kwargs, loss_fn, outputs_held) for _ in range(steps)]
         probe.remove()
         # The probe's per-block hooks and events cost time of their own, which dominates small
         # blocks (on an H200, 8 blocks of d_model 1024 timed 27 ms probed, 17 ms unprobed): the
@@ -173,9 +173,9 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
         if compiled:
             spent.append(warm_up(lambda: measure_steps(model, kwargs if kwargs else tuple(args),
                                                        loss_fn=loss_fn, steps=1,
-                                                       count=meter.memory)))
+                                                       count=meter.memory, outputs_held=outputs_held)))
         unprobed, _ = measure_steps(model, kwargs if kwargs else tuple(args), loss_fn=loss_fn,
-                                    steps=steps, count=meter.memory)
+                                    steps=steps, count=meter.memory, outputs_held=outputs_held)
         moved = [0] * len(names)
         if handle.engine is not None:
             by_name = {}
@@ -211,6 +211,7 @@ def profile(
     compile: Compile | None = None,
     submodules: str | Sequence[str] = "none",
     strict: bool = False,
+    outputs_held: bool = True,
 ) -> Profile:
     """Profile one training step of `model` on `inputs` per candidate (`modules`: fnmatch
     patterns) under each choice; `apply` applies a concrete policy (`actcfg.api` passes it).
@@ -221,7 +222,9 @@ def profile(
     With `compile` every run is compiled as the plan will be (`apply` compiles each uniform
     policy, keep included), and the time spent compiling is kept apart (`Profile.compile_ms`).
     `strict`: a run out of memory ends the profile instead of being left out (a sharded model on
-    several ranks, whose steps must match one for one: `actcfg.plan.sharded`)."""
+    several ranks, whose steps must match one for one: `actcfg.plan.sharded`). `outputs_held`:
+    whether the training loop holds the model's outputs through backward (a Trainer that
+    keeps only the loss does not: see `Probe.step`)."""
     started = time.perf_counter()
     spent: list[float] = []
     compiled = compile is not None
@@ -292,7 +295,7 @@ def profile(
                     meter = Meter(device, count=not compiled)
                     runs[choice] = _run(model, blocks, names, choice, args, kwargs, loss, apply,
                                         meter, steps, pin, pin_budget, taken(choice), compile,
-                                        spent)
+                                        spent, outputs_held)
                 except torch.cuda.OutOfMemoryError:
                     if strict:
                         raise
@@ -344,10 +347,11 @@ def _trial(model: nn.Module, names: Sequence[str], compile: Compile | None, pin:
 
 
 def measure_steps(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                  steps: int = 3, count: bool = True) -> tuple[float, int]:
+                  steps: int = 3, count: bool = True, outputs_held: bool = True) -> tuple[float, int]:
     """(median step ms, peak bytes of the last step above its start) of `steps` training steps
     after one warm-up, as the profile measures them (gradients set to None before each; on the
-    CPU the bytes `LiveBytes` counts, or 0 with `count=False`)."""
+    CPU the bytes `LiveBytes` counts, or 0 with `count=False`; `outputs_held` as in
+    `Probe.step`)."""
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
     meter = Meter(device, count=count)
     args, kwargs = _split(inputs)
@@ -361,6 +365,8 @@ def measure_steps(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], tor
             start = meter.tick()
             output = model(*args, **kwargs)
             value = loss(output)
+            if not outputs_held:
+                output = None
             value.backward()
             end = meter.tick()
             del output, value

@@ -10,7 +10,8 @@ the sum of their `held`; M_b: bytes block b copies each way; d_b, h_b: those cop
   until the turn, the sum of their `left`) and
   its backward (S_b + reloads ahead of their use + `backward_peak`), and the turn (S_n + L_n +
   the turn the profile measured with the last block's choice, `turn_peaks`, + block n-2's copy
-  if still in flight). The copies follow the engine's schedule: every offloaded block but the
+  if still in flight); under gradient accumulation, plus the gradients a later micro-batch
+  starts with (`accumulated_grads`). The copies follow the engine's schedule: every offloaded block but the
   last leaves storage by storage, at most W = `window_storages` x `largest_storage` x
   `max_inflight` bytes in flight; the last offloaded block (the group that stays for backward)
   holds its storages to its end (its forward peaks as its on-device twin's) and leaves whole,
@@ -335,7 +336,7 @@ def predict(profile: Profile, choices: tuple[str, ...] | list[str], max_inflight
     if t.n:
         step += t.exposed(t.n - 1, p1, None)
     peak = max(peak, held + t.turn(p2, p1, left), profile.outside_peak)
-    return step, peak
+    return step, peak + profile.accumulated_grads
 
 
 def _dominant(entries: list[tuple[Any, ...]], key: Any) -> list[tuple[Any, ...]]:
@@ -448,7 +449,7 @@ def lowest_plan(profile: Profile, max_inflight: int = 1) -> tuple[int, tuple[str
     peak, picked = min(((max(pk, s + t.turn(p2, p1, lf)), cs)
                         for (p2, p1, phase), v in fronts.items() if phase != 1
                         for s, lf, pk, cs in v), key=lambda e: e[0])
-    return max(profile.outside_peak, peak), picked
+    return max(profile.outside_peak, peak) + profile.accumulated_grads, picked
 
 
 def smallest_peak(profile: Profile, max_inflight: int = 1) -> int:
@@ -480,7 +481,8 @@ def solve(profile: Profile, budget: int, *, max_inflight: tuple[int, ...] = (1, 
     mixed_budget = budget - int(budget * MIXED_HEADROOM)
     n = len(profile.blocks)
     for m in tries:
-        got = _fastest(profile, mixed_budget, m, choices)
+        # the gradients a later micro-batch starts with come on top of every term
+        got = _fastest(profile, mixed_budget - profile.accumulated_grads, m, choices)
         if got is not None and (found is None or (got[0], got[1], m) < found[:3]):
             found = (got[0], got[1], m, got[2])
         for c in choices:  # a measured run fits to the byte: no headroom
