@@ -77,3 +77,49 @@ def test_each_llama_layer_counts_what_it_holds_and_the_shared_rotary_tables_once
     assert counted[1:-1] == held[1:]
     assert counted[0] == held[0] + tables
     assert counted[1] == counted[2]
+
+
+class _Cast(nn.Module):
+    """A Linear block, checkpointed or not, its forward under CPU autocast (bf16) from outside."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed:
+            return torch.utils.checkpoint.checkpoint(self.linear, x, use_reentrant=False).relu()
+        return self.linear(x).relu()
+
+
+class _Autocast(nn.Module):
+    def __init__(self, checkpointed: bool, autocast: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Cast(checkpointed) for _ in range(3))
+        self.autocast = autocast
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            for block in self.blocks:
+                x = block(x)
+            return x.float().sum()
+
+
+def test_what_a_block_leaves_until_the_forward_ends_is_its_unsaved_weight_casts():
+    """autocast caches each weight's bf16 cast until its region ends: a kept Linear saves its
+    weight's cast (counted as held) and leaves its bias's; a checkpointed one saves neither and
+    leaves both. Without autocast nothing is left."""
+    torch.manual_seed(0)
+    # Not a leaf (autocast caches a leaf's cast too), and it requires grad (else the first
+    # Linear saves no weight cast: it needs none for an input that needs no gradient).
+    x = torch.randn(ROWS, WIDTH, requires_grad=True) * 1.0
+    weight, bias = WIDTH * WIDTH * 2, WIDTH * 2  # bf16
+    for checkpointed, autocast, expected in [(False, True, bias), (True, True, weight + bias),
+                                             (False, False, 0), (True, False, 0)]:
+        model = _Autocast(checkpointed, autocast)
+        left = [0] * 3
+        held = saved_bytes(model, list(model.blocks), (x,), {}, left=left)
+        assert left == [expected] * 3, (checkpointed, autocast)
+        if autocast and not checkpointed:
+            assert all(h >= weight for h in held)  # the weight's cast is saved, so held

@@ -342,3 +342,42 @@ def test_the_copy_terms_follow_the_engines_storage_by_storage_window():
         except PlanError:
             continue
         assert plan.peak == predict(windowed, plan.choices, plan.max_inflight)[1] <= budget
+
+
+def _left_stack() -> Profile:
+    """Keep saves 10 bytes and leaves 0; full saves 1 and leaves 4 (under autocast, the weight
+    casts it does not save) until the forward ends. The turn: 3 above S + L until the forward
+    returns, 8 above S after it (the casts gone)."""
+    block = {"keep": Option(held=10, forward_peak=10, backward_peak=12),
+             "full": Option(held=1, forward_peak=10, backward_peak=12, recompute_ms=1.0,
+                            extra_ms=1.0, left=4)}
+    return dataclasses.replace(_profile([block, block, block]), after_turn_peak=8)
+
+
+def test_what_a_block_leaves_is_seen_by_later_forwards_and_the_turn_never_by_a_backward():
+    left = _left_stack()
+    # full, full, keep: block 2's forward 1 + 1 + 4 + 4 + 10 = 20; its backward 2 + 12 = 14; the
+    # turn max(12 + 8 + 3, 12 + 8) = 23
+    assert predict(left, ("full", "full", "keep"))[1] == 23
+    # keep, keep, full: block 2's forward 20 + 10, backward 20 + 12 = 32; the turn 21 + max(4 + 3, 8)
+    assert predict(left, ("keep", "keep", "full"))[1] == 32
+    # all full: block 2's forward 2 + 8 + 10 = 20, above the turn 3 + max(12 + 3, 8) = 18
+    assert predict(left, ("full",) * 3)[1] == 20
+    # all kept: nothing left, the turn after the forward returned is the larger: 30 + 8
+    assert predict(left, ("keep",) * 3)[1] == 38
+    # the solver sees the same: every plan it returns is predicted within its budget, and the
+    # cheapest under 23 is the one above
+    for budget in range(20, 40):
+        plan = solve(left, budget)
+        assert plan.peak == predict(left, plan.choices)[1] <= budget
+    assert solve(left, 23).choices == ("full", "full", "keep")
+    assert smallest_peak(left) == min(predict(left, c)[1] for c in itertools.product(("keep", "full"), repeat=3))
+
+
+def test_gradients_a_later_micro_batch_starts_with_are_on_top_of_every_peak():
+    accumulating = dataclasses.replace(HAND, accumulated_grads=5)
+    for choices in itertools.product(("keep", "full"), repeat=3):
+        assert predict(accumulating, choices)[1] == predict(HAND, choices)[1] + 5
+    plan = solve(accumulating, 25)
+    assert plan.choices == solve(HAND, 20).choices and plan.peak <= 25
+    assert smallest_peak(accumulating) == smallest_peak(HAND) + 5
