@@ -25,8 +25,8 @@ The policy is removed in `teardown`, and in `on_exception` (Lightning skips `tea
 
 `checkpoint.mode: auto` plans in `on_train_batch_start` of the first batch, on the batch as
 `training_step` gets it (on the device), with `training_step` as the step: the profile runs it
-under the precision plugin's `train_step_context` (autocast, as the strategy runs it) and
-backward from the loss it returns, with its `self.log` calls sent to a collection thrown away
+under the precision plugin's `train_step_context` (autocast, as the strategy runs it: entered for
+each call, left before backward) and backward from the loss it returns, with its `self.log` calls sent to a collection thrown away
 after, then applies the plan before Lightning's own first `training_step`. The profile puts back
 gradients, buffers, training mode and the CPU and CUDA RNG state, and touches neither the
 optimizers nor the data, so the run sees what it would have seen with the plan applied at fit
@@ -47,7 +47,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -196,8 +196,8 @@ class ActivationPolicy(pl.Callback):
         if self._waiting:
             self._waiting = False
             began = time.perf_counter()
-            view = _TrainingStepView(pl_module)
-            with trainer.precision_plugin.train_step_context(), _logs_thrown_away(trainer, pl_module):
+            view = _TrainingStepView(pl_module, trainer.precision_plugin.train_step_context)
+            with _logs_thrown_away(trainer, pl_module):
                 planned = plan_model(view, self.policy, (batch, batch_idx), loss_fn=step_loss,
                                      apply=apply)
             self.applied = apply(pl_module, planned.policy, backend=Backend.TORCH)
@@ -265,19 +265,26 @@ def step_loss(output: Any) -> Any:
 class _TrainingStepView(nn.Module):
     """The LightningModule as the planner profiles it: the same children, parameters and
     buffers under the same names (shared, not copied), with `training_step(batch, batch_idx)`
-    as its forward. The planner calls `model(*inputs)` and runs backward from the loss."""
+    as its forward, under the precision plugin's `train_step_context` (autocast) as Lightning
+    runs it: entered per call and left before backward. Around the whole profile, autocast's
+    cache of weight casts would live from the first profiled step to the last, so no step would
+    make (or count) the casts a real step makes and frees. The planner calls `model(*inputs)`
+    and runs backward from the loss."""
 
-    def __init__(self, module: pl.LightningModule) -> None:
+    def __init__(self, module: pl.LightningModule,
+                 context: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
         super().__init__()
         self._parameters = module._parameters
         self._buffers = module._buffers
         self._non_persistent_buffers_set = module._non_persistent_buffers_set
         self._modules = module._modules
         self.step = module.training_step
+        self.context = context
         self.train(module.training)
 
     def forward(self, batch: Any, batch_idx: int) -> Any:
-        return self.step(batch, batch_idx)
+        with self.context():
+            return self.step(batch, batch_idx)
 
 
 @contextlib.contextmanager

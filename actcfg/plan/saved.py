@@ -193,10 +193,10 @@ def saved_bytes(model: nn.Module, modules: Sequence[nn.Module], args: tuple[Any,
     made = _Created(where, set(kept_apart)) if left is not None else None
     turn = []
     if made is not None:
-        def at_turn(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        def at_turn(module: nn.Module, given: Any, named: Any, output: Any) -> None:
             if turn:
                 return
-            passed = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs, output))[0]
+            passed = {t.untyped_storage().data_ptr() for t in tree_flatten((given, named, output))[0]
                       if isinstance(t, torch.Tensor)}
             turn.append(made.left(len(modules), seen, passed))
         turn_hook = modules[-1].register_forward_hook(at_turn, with_kwargs=True)
