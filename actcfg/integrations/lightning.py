@@ -266,10 +266,11 @@ class _TrainingStepView(nn.Module):
     """The LightningModule as the planner profiles it: the same children, parameters and
     buffers under the same names (shared, not copied), with `training_step(batch, batch_idx)`
     as its forward, under the precision plugin's `train_step_context` (autocast) as Lightning
-    runs it: entered per call and left before backward. Around the whole profile, autocast's
-    cache of weight casts would live from the first profiled step to the last, so no step would
-    make (or count) the casts a real step makes and frees. The planner calls `model(*inputs)`
-    and runs backward from the loss."""
+    runs it: entered per call and left before backward. Around the whole profile, a context
+    that caches (autocast's weight casts; Lightning's own AMP plugin passes
+    `cache_enabled=False`, a custom plugin need not) would keep what it made from the first
+    profiled step to the last, and no step would count what a real step makes and frees. The
+    planner calls `model(*inputs)` and runs backward from the loss."""
 
     def __init__(self, module: pl.LightningModule,
                  context: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
