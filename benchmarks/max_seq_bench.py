@@ -746,8 +746,8 @@ def targets(outcomes: dict[str, Outcome]) -> list[str]:
             mine > longest_peer)
     if hf is not None and hf.search.longest is not None:
         # At HF's longest, where actcfg ran it; else at the longest length both ran (a run of
-        # chosen lengths, --at), said as such.
-        both = [n for n in hf.runs if hf.runs[n].get("fits") and act.runs.get(n, {}).get("fits")]
+        # chosen lengths, --at), said as such. A --steps 0 run has no steady state to compare.
+        both = [n for n in hf.runs if _steady(hf.runs[n]) and _steady(act.runs.get(n, {}))]
         at = hf.search.longest if hf.search.longest in both else max(both, default=None)
         a, h = act.runs.get(at), hf.runs.get(at)
         where = (f"HF's longest ({_k(at)})" if at == hf.search.longest else
@@ -764,6 +764,11 @@ def targets(outcomes: dict[str, Outcome]) -> list[str]:
             row(f"at {where}: HF's first step / its steady state (for scale)",
                 f"{h['first_s']:.2f} / {h['steady_s']:.2f} s = {hf_first:.3f}", None)
     return lines
+
+
+def _steady(run: dict[str, Any]) -> bool:
+    """A length that fit and whose steady state was measured (not a --steps 0 run)."""
+    return bool(run.get("fits")) and run.get("steady_measured", True)
 
 
 def bounds(o: Outcome, shape: Shape) -> list[str]:
@@ -891,7 +896,7 @@ def plot(outcomes: dict[str, Outcome], path: Path, shape_name: str) -> None:
     bars.invert_yaxis()
     for o in shown:
         pts = sorted((L, r["steady_s"] / L * 1e3) for L, r in o.runs.items()
-                     if r.get("fits") and r.get("proof") == "ok")
+                     if _steady(r) and r.get("proof") == "ok")
         if pts:
             lines.plot([p[0] / 1024 for p in pts], [p[1] for p in pts], marker="o", label=o.label)
     lines.set_xlabel("sequence length (k tokens)")

@@ -277,3 +277,22 @@ def test_a_resumed_run_reuses_measured_lengths_and_compares_where_both_ran(bench
             "HF's <= 1.05 | 31.00 / 30.80 s = 1.006 | yes |") in lines
     with pytest.raises(ValueError, match="measured another shape"):
         bench.earlier_runs(path, bench.SHAPES["small"])
+
+
+def test_a_first_step_only_length_counts_for_the_longest_but_not_for_the_speed_targets(bench):
+    """--steps 0 asks only whether a length fits: it extends the longest, its speed is not a
+    steady state, and the speed targets stay at the longest length both ran with one."""
+    k = 1024
+    first_only = {**_run(288 * k, steady=140.0, engine=True), "step_s": [], "steady_measured": False}
+    outcomes = {
+        "hf-checkpointing": _outcome(bench, "hf-checkpointing", {192 * k: _run(192 * k, steady=65.7)}, None),
+        "actcfg-checkpoint-cpu": _outcome(bench, "actcfg-checkpoint-cpu",
+                                          {192 * k: _run(192 * k, steady=66.0, engine=True),
+                                           288 * k: first_only}, None),
+    }
+    meta = {"date": "2026-12-01T00:00:00+00:00", "gpu": "NVIDIA H200", "torch": "2.11", "transformers": "5.24",
+            "shape_name": "3b", "steps": 0, "jobs": 1, "alloc_conf": "expandable_segments:True"}
+    text = bench.render(meta, outcomes, bench.SHAPES["3b"])
+    assert "longer than every peer | 288k against 192k (288k the longest tried: longer not tried) | yes |" in text
+    assert "| 2107 (first step) | 147.00 | not measured | – |" in text
+    assert "HF's longest (192k): actcfg's steady time per token / HF's <= 1.05 | 66.00 / 65.70 s" in text
