@@ -796,8 +796,14 @@ def bounds(o: Outcome, shape: Shape) -> list[str]:
                f"{frag / GiB:.2f} GiB more than allocated (fragmentation; `expandable_segments` "
                "was on unless the run says otherwise).")
     if r.get("kept_at_turn_bytes"):
-        out.append(f"* actcfg kept {r['kept_at_turn_bytes'] / GiB:.2f} GiB on the GPU at the "
-                   "forward/backward turn (`keep_last`, default 1): `checkpoint.mode: rules` with "
+        # The last group runs from the last layer's start to the forward's end, so it also holds
+        # what the model saves after its layers (a Llama's final norm: its fp32 input and output).
+        kept, layer = r["kept_at_turn_bytes"], r["layer_input_bytes"]
+        after = (f": the last layer's input ({layer / GiB:.2f} GiB) and {(kept - layer) / GiB:.2f} GiB "
+                 "the model saves after its last layer (the final norm's input and output), which "
+                 "join the last group" if kept > layer else "")
+        out.append(f"* actcfg kept {kept / GiB:.2f} GiB on the GPU at the forward/backward turn, the "
+                   f"last group (`keep_last`, default 1){after}. `checkpoint.mode: rules` with "
                    "`keep_last: 0` offloads it too, at the cost of a copy nothing hides.")
     if r.get("pinned_host") is not None:
         out.append(f"* host memory: {r['pinned_host'] / GiB:.2f} GiB pinned (bounded by "
@@ -816,8 +822,11 @@ def render(meta: dict[str, Any], outcomes: dict[str, Outcome], shape: Shape) -> 
               "Only the lengths listed under each variant were run (no search): a longest that fit is "
               "a lower bound, a shortest that did not an upper bound; ")
            + "each length in a fresh process; "
-           f"steady state: median of {meta['steps']} steps after the first at that length; "
-           f"allocator: {meta['alloc_conf'] or 'defaults'}.",
+           + (f"steady state: median of {meta['steps']} steps after the first at that length; "
+              if meta["steps"] else
+              "this call ran the first step only (--steps 0: whether a length fits), as its rows say; "
+              "rows resumed from an earlier call keep that call's steady state; ")
+           + f"allocator: {meta['alloc_conf'] or 'defaults'}.",
            ""]
     if meta["jobs"] > 1:
         out += [f"Variants ran {meta['jobs']} at a time on one GPU: their times share it and are not "

@@ -283,7 +283,8 @@ def test_a_first_step_only_length_counts_for_the_longest_but_not_for_the_speed_t
     """--steps 0 asks only whether a length fits: it extends the longest, its speed is not a
     steady state, and the speed targets stay at the longest length both ran with one."""
     k = 1024
-    first_only = {**_run(288 * k, steady=140.0, engine=True), "step_s": [], "steady_measured": False}
+    first_only = {**_run(288 * k, steady=140.0, engine=True), "step_s": [], "steady_measured": False,
+                  "kept_at_turn_bytes": 4 * 288 * k * 3072 * 2}  # the last layer's input and the head's
     outcomes = {
         "hf-checkpointing": _outcome(bench, "hf-checkpointing", {192 * k: _run(192 * k, steady=65.7)}, None),
         "actcfg-checkpoint-cpu": _outcome(bench, "actcfg-checkpoint-cpu",
@@ -296,3 +297,6 @@ def test_a_first_step_only_length_counts_for_the_longest_but_not_for_the_speed_t
     assert "longer than every peer | 288k against 192k (288k the longest tried: longer not tried) | yes |" in text
     assert "| 2107 (first step) | 147.00 | not measured | – |" in text
     assert "HF's longest (192k): actcfg's steady time per token / HF's <= 1.05 | 66.00 / 65.70 s" in text
+    assert ("kept 6.75 GiB on the GPU at the forward/backward turn, the last group (`keep_last`, default 1): "
+            "the last layer's input (1.69 GiB) and 5.06 GiB the model saves after its last layer") in text
+    assert "this call ran the first step only (--steps 0" in text
