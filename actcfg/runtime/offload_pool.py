@@ -4,14 +4,18 @@ Page-locked buffers are registered with `cudaHostRegister` at their exact size (
 allocator rounds every request up to a power of two), never more than `pin_budget` in total
 nor more than this process's part of `pin_budget_per_node`; past either, or if pinning fails,
 pageable buffers with one warning. Buffers are prepared ahead of need on one background thread.
+Engines that run one after another (the planner's offload trials) can share one pool
+(`shared_host_pool`), so what one pinned the next reuses.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,7 +23,7 @@ import torch
 from actcfg.runtime.host_budget import NodeBudget
 from actcfg.runtime.offload_stats import OffloadStats, OffloadWarning
 
-__all__ = ["HostPool"]
+__all__ = ["HostPool", "borrow_shared_pool", "shared_host_pool"]
 
 
 class HostPool:
@@ -66,9 +70,30 @@ class HostPool:
         self._pending: dict[int, concurrent.futures.Future[None]] = {}  # size -> spare in preparation
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
+        self._borrowed = False  # a shared pool (`shared_host_pool`) lent to an engine now
         # Reentrant: a chunk's __del__ (which releases its buffer) can run from garbage
         # collection in the middle of acquire() on the same thread.
         self._lock = threading.RLock()
+
+    @property
+    def stats(self) -> OffloadStats:
+        """The counters the pool writes its holdings and growth into (its engine's)."""
+        return self._stats
+
+    def lend(self, stats: OffloadStats) -> None:
+        """Count into `stats` from here on (the engine that borrows a shared pool now), with what
+        the pool holds and has done carried over: the budget goes on counting every byte it
+        pinned, and the engine's report shows the pool it really uses."""
+        with self._lock:
+            for name in _POOL_COUNTERS:
+                setattr(stats, name, getattr(self._stats, name))
+            self._stats = stats
+            self._borrowed = True
+
+    def give_back(self) -> None:
+        """The borrowing engine is done (closed): its buffers stay for the next engine."""
+        with self._lock:
+            self._borrowed = False
 
     def acquire(self, nbytes: int) -> tuple[torch.Tensor, Any, bool]:
         """A uint8 host buffer of at least `nbytes`, the event its last reader recorded, and
@@ -289,6 +314,48 @@ class HostPool:
         # Only once nothing is pinned any more: another rank may pin these bytes right after.
         if self._node is not None:
             self._node.close()
+
+
+_POOL_COUNTERS = ("pinned_bytes", "pinned_allocations", "pageable_bytes", "pinned_fallbacks",
+                  "host_buffers_ahead", "host_buffers_on_demand", "host_wait_s")
+"""The `OffloadStats` fields that count the pool (over its lifetime), not an engine's steps."""
+
+_SHARED = threading.local()
+
+
+@contextlib.contextmanager
+def shared_host_pool(pin: bool, pin_budget: int | None, *, register: bool) -> Iterator[HostPool]:
+    """Within this block, each offload engine this thread builds with the same `pin` and
+    `pin_budget` (and no `pin_budget_per_node`) borrows this one pool instead of making its own,
+    while no other engine holds it; the pool is closed (unpinned) when the block ends.
+
+    For engines that run one after another: the planner's offload trials
+    (`actcfg.plan.profile`). Each trial's engine made its own pool and closed it at `remove()`,
+    so the same host memory was pinned once per trial, and pinning runs at a few GB/s
+    (`cudaHostRegister`, pages faulted in first): seconds per trial at a GPT-2's activations.
+    Shared, a trial finds the buffers an earlier one made (served best-fit, as within a run), and
+    the pool holds the largest trial's need rather than their sum. `register`: pin with
+    `cudaHostRegister` (False on the host loopback, as the engine's own pool)."""
+    pool = HostPool(pin, pin_budget, OffloadStats(), register=register)
+    before = getattr(_SHARED, "pool", None)
+    _SHARED.pool = pool
+    try:
+        yield pool
+    finally:
+        _SHARED.pool = before
+        pool.close()
+
+
+def borrow_shared_pool(pin: bool, pin_budget: int | None, register: bool,
+                       stats: OffloadStats) -> HostPool | None:
+    """The `shared_host_pool` of this thread, lent to the engine counting into `stats`, when its
+    settings are the engine's and no engine holds it; else None (the engine makes its own)."""
+    pool: HostPool | None = getattr(_SHARED, "pool", None)
+    if pool is None or pool._borrowed or pool._closed or (pool._pin, pool._budget,
+                                                         pool._register_buffers) != (pin, pin_budget, register):
+        return None
+    pool.lend(stats)
+    return pool
 
 
 # cudaHostRegisterPortable (driver_types.h).
