@@ -393,9 +393,9 @@ def profile(
                 closing = time.perf_counter()
             if pool is not None:
                 timing.add("host_pool", (time.perf_counter() - closing) * 1000.0)
-        with timing.timed("copy_bandwidth"):
-            d2h = h2d = 0.0
-            if device.type == "cuda" and any(c in runs for c in OFFLOADS):
+        d2h = h2d = 0.0
+        if device.type == "cuda" and any(c in runs for c in OFFLOADS):
+            with timing.timed("copy_bandwidth"):
                 d2h, h2d = copy_bandwidth()
     for c in OFFLOADS:
         if c in runs and not any(runs[c].moved):
