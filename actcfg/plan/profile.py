@@ -179,6 +179,15 @@ class _Timing:
     def add(self, name: str, ms: float) -> None:
         self.ms[name] = self.ms.get(name, 0.0) + ms
 
+    def begin(self) -> tuple[float, float]:
+        """A mark for `end` (for a part that spans several statements)."""
+        return time.perf_counter(), sum(self._spent)
+
+    def end(self, name: str, mark: tuple[float, float]) -> None:
+        """Add the wall time since `mark` to `name`, less what was compiled meanwhile."""
+        start, compiled = mark
+        self.add(name, (time.perf_counter() - start) * 1000.0 - (sum(self._spent) - compiled))
+
     @contextlib.contextmanager
     def timed(self, name: str, pool: HostPool | None = None) -> Iterator[None]:
         compiled = sum(self._spent)
@@ -327,9 +336,9 @@ def profile(
     with _restored(model), _quiet():
         model.train()
         with torch.enable_grad():
+            counting = timing.begin()
             try:
-                with timing.timed("counts"), _compiling(spent, compiled), \
-                        _trial(model, names, compile, pin, pin_budget, apply):
+                with _compiling(spent, compiled), _trial(model, names, compile, pin, pin_budget, apply):
                     largest = [0] * len(blocks)
                     held = {"keep": saved_bytes(model, blocks, args, kwargs, largest=largest)}
             except torch.cuda.OutOfMemoryError:
@@ -346,20 +355,20 @@ def profile(
             # The counting forwards (one per choice that recomputes, one for selective's saved
             # ops' outputs) stay: a forward without backward is cheap (~1/3 of a step), and the
             # counts are exact where a run's peaks are not (they mix held bytes with transients).
-            with timing.timed("counts"):
-                for choice in ("full", "selective", "split"):
-                    if choice in wanted:
-                        handle = apply(model, _uniform(taken(choice), choice, pin, pin_budget, compile))
-                        try:
-                            with _compiling(spent, compiled):
-                                held[choice] = saved_bytes(model, blocks, args, kwargs)
-                        finally:
-                            handle.remove()
-                # Eager, its inputs (counted above) and its saved ops' outputs, which bypass the
-                # hooks; compiled, the graph saves those outputs itself and the hooks counted them.
-                if "selective" in wanted and not compiled:
-                    outputs = saved_bytes(model, blocks, args, kwargs, save_ops=resolve_ops(DEFAULT_SAVE_OPS))
-                    held["selective"] = [s + o for s, o in zip(held["selective"], outputs)]
+            for choice in ("full", "selective", "split"):
+                if choice in wanted:
+                    handle = apply(model, _uniform(taken(choice), choice, pin, pin_budget, compile))
+                    try:
+                        with _compiling(spent, compiled):
+                            held[choice] = saved_bytes(model, blocks, args, kwargs)
+                    finally:
+                        handle.remove()
+            # Eager, its inputs (counted above) and its saved ops' outputs, which bypass the
+            # hooks; compiled, the graph saves those outputs itself and the hooks counted them.
+            if "selective" in wanted and not compiled:
+                outputs = saved_bytes(model, blocks, args, kwargs, save_ops=resolve_ops(DEFAULT_SAVE_OPS))
+                held["selective"] = [s + o for s, o in zip(held["selective"], outputs)]
+            timing.end("counts", counting)
             # One host pool for every offload run (see `shared_host_pool`): closed (unpinned)
             # when they are done, before the plan is applied. Not handed on to the applied plan:
             # it holds what the offload-everything run moved, far more than most plans move, and

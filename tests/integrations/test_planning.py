@@ -215,7 +215,7 @@ def test_hf_plans_compiled_on_the_first_batch_when_the_policy_says_compile(tmp_p
     assert "compile: {scope: blocks, backend: aot_eager}" in written.read_text()
     out = capsys.readouterr().out
     assert re.search(r"^actcfg: planned 3 modules .* compiled \(blocks with aot_eager\); planning "
-                     r"took [\d.]+ s \+ [\d.]+ s compiling\)", out, re.M), out
+                     r"took [\d.]+ s \(counts [\d.]+, .*, rest [\d.]+ s\) \+ [\d.]+ s compiling\)", out, re.M), out
     assert len(planned["steps"]) == STEPS and all(map(math.isfinite, planned["losses"]))
     torch._dynamo.reset()
 
