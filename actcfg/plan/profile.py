@@ -46,7 +46,7 @@ from actcfg.runtime.torch_applier import resolve_ops
 from actcfg.runtime.wrap import select_modules
 from actcfg.errors import ActcfgError, PlanError
 from actcfg.runtime.compiling import warm_up
-from actcfg.runtime.offload import WINDOW_STORAGES, OffloadWarning, loopback_enabled
+from actcfg.runtime.offload import MIN_OFFLOAD_BYTES, WINDOW_STORAGES, OffloadWarning, loopback_enabled
 from actcfg.runtime.offload_pool import HostPool, shared_host_pool
 from actcfg.plan.cost import Run, assemble
 from actcfg.plan.parts import find_parts
@@ -340,7 +340,8 @@ def profile(
             try:
                 with _compiling(spent, compiled), _trial(model, names, compile, pin, pin_budget, apply):
                     largest = [0] * len(blocks)
-                    held = {"keep": saved_bytes(model, blocks, args, kwargs, largest=largest)}
+                    sizes: list[list[int]] = [[] for _ in blocks]
+                    held = {"keep": saved_bytes(model, blocks, args, kwargs, largest=largest, sizes=sizes)}
             except torch.cuda.OutOfMemoryError:
                 oom = True
             else:
@@ -376,6 +377,15 @@ def profile(
             pooling = shared_host_pool(pin, pin_budget, register=device.type == "cuda") \
                 if offloading else contextlib.nullcontext()
             with pooling as pool:
+                if pool is not None and "offload" in wanted and not compiled:
+                    # What the offload run will copy, made on the pool's thread while the runs
+                    # before it compute (their steps wait on the GPU, with the GIL released):
+                    # made in its first step, on demand and as spares, pinning (a few GB/s)
+                    # was most of that step, ahead of every block's copy. The storages each
+                    # block keeps, but the last block's (its group stays on the device) and
+                    # those under the engine's threshold; full + offload's block inputs are
+                    # among them. Compiled, the graphs save other storages: left on demand.
+                    pool.prepare(n for per in sizes[:-1] for n in per if n >= MIN_OFFLOAD_BYTES)
                 for choice in wanted:
                     warmed = _Warmed()
                     try:

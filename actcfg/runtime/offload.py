@@ -90,7 +90,7 @@ from actcfg.runtime.host_budget import NodeBudget
 from actcfg.runtime.offload_pool import HostPool, borrow_shared_pool
 from actcfg.runtime.offload_stats import OffloadStats, OffloadWarning, no_effect_reason
 
-__all__ = ["WINDOW_STORAGES", "OffloadEngine", "OffloadStats", "OffloadWarning", "host_loopback", "loopback_enabled"]
+__all__ = ["MIN_OFFLOAD_BYTES", "WINDOW_STORAGES", "OffloadEngine", "OffloadStats", "OffloadWarning", "host_loopback", "loopback_enabled"]
 
 _LOOPBACK = threading.local()
 
@@ -384,6 +384,11 @@ def stays(tensor: torch.Tensor, device: torch.device, buffers: set[int],
     return None
 
 
+MIN_OFFLOAD_BYTES = 1 << 20
+"""Saved tensors under this many bytes stay on the device (the engine's default
+`min_offload_bytes`): a copy's launch costs more than the memory it frees."""
+
+
 class OffloadEngine:
     """Offloads saved activations of a forward pass to host memory and prefetches them for backward.
 
@@ -413,7 +418,7 @@ class OffloadEngine:
         pin: bool = True,
         pin_budget: int | None = None,
         pin_budget_per_node: int | None = None,
-        min_offload_bytes: int = 1 << 20,
+        min_offload_bytes: int = MIN_OFFLOAD_BYTES,
         max_inflight: int = 1,
         prefetch: int = 1,
         keep_last: int = 1,

@@ -15,7 +15,8 @@ import contextlib
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -68,6 +69,9 @@ class HostPool:
         self._misses: dict[int, int] = {}  # on-demand allocations per size
         self._spares: set[int] = set()  # data_ptrs of prepared buffers no request has taken yet
         self._pending: dict[int, concurrent.futures.Future[None]] = {}  # size -> spare in preparation
+        # size -> every buffer of it ordered and not yet made (`prepare` orders several), in
+        # order; `_pending` holds the first, the one a request of that size waits for
+        self._queued: dict[int, deque[concurrent.futures.Future[None]]] = {}
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
         self._borrowed = False  # a shared pool (`shared_host_pool`) lent to an engine now
@@ -144,11 +148,19 @@ class HostPool:
                 self._order_spare(size)
         return entry
 
-    def _order_spare(self, nbytes: int) -> None:
-        """Prepare one buffer of `nbytes` on the background thread, unless one is on its way or
-        the budget has no room for it (a spare is a guess; it never pushes a request past the
-        budget). The caller holds the lock."""
-        if self._closed or nbytes in self._pending:
+    def prepare(self, sizes: Iterable[int]) -> None:
+        """Make a buffer of each of `sizes` on the background thread, in order, ahead of a run
+        known to need them: spares like those the pool orders itself, within the budget, and
+        unpinned to make room for a request past it."""
+        with self._lock:
+            for nbytes in sizes:
+                self._order_spare(nbytes, more=True)
+
+    def _order_spare(self, nbytes: int, more: bool = False) -> None:
+        """Prepare one buffer of `nbytes` on the background thread, unless one is on its way
+        (`more`: even then) or the budget has no room for it (a spare is a guess; it never
+        pushes a request past the budget). The caller holds the lock."""
+        if self._closed or (nbytes in self._pending and not more):
             return
         pinned = self._pin and not self._pin_failed
         if pinned:
@@ -169,7 +181,22 @@ class HostPool:
         # current): a new thread's current device is 0, and a CUDA call there would create a
         # context on GPU 0 for every rank of a job that does not mask devices.
         device = torch.cuda.current_device() if pinned and torch.cuda.is_available() else None
-        self._pending[nbytes] = self._worker.submit(self._prepare, nbytes, pinned, device)
+        # Under the lock: `_prepare` reads the queue only once this call has left it.
+        queue = self._queued.setdefault(nbytes, deque())
+        queue.append(self._worker.submit(self._prepare, nbytes, pinned, device))
+        self._pending[nbytes] = queue[0]
+
+    def _made(self, nbytes: int) -> None:
+        """One buffer of `nbytes` ordered is made (or failed): a request of that size now waits
+        for the next one, if any. The caller holds the lock."""
+        queue = self._queued.get(nbytes)
+        if queue:
+            queue.popleft()  # this job's own future: the one worker runs them in order
+        if queue:
+            self._pending[nbytes] = queue[0]
+        else:
+            self._queued.pop(nbytes, None)
+            self._pending.pop(nbytes, None)
 
     def _prepare(self, nbytes: int, pinned: bool, device: int | None) -> None:
         """On the background thread: make a spare and put it in the free list."""
@@ -187,10 +214,10 @@ class HostPool:
                     self._stats.pinned_bytes -= nbytes
                     self._stats.pinned_allocations -= 1
                     self._pin_failed, self._pin_error = True, str(e)
-                    self._pending.pop(nbytes, None)
+                    self._made(nbytes)
                 return
         with self._lock:
-            self._pending.pop(nbytes, None)
+            self._made(nbytes)
             if self._closed:  # close() ran meanwhile: nothing may stay registered
                 if pinned:
                     self._unregister(buffer)
@@ -245,7 +272,7 @@ class HostPool:
         """Unpin unused spares (largest first) until `nbytes` more fit the budget: a guess never
         costs a request its pinned memory."""
         with self._lock:
-            pending = list(self._pending.values())
+            pending = [f for queue in self._queued.values() for f in queue]
         concurrent.futures.wait(pending)  # their bytes are reserved
         with self._lock:
             for size in sorted(self._free, reverse=True):
@@ -298,6 +325,7 @@ class HostPool:
             worker.shutdown(wait=not on_worker, cancel_futures=True)
         with self._lock:
             self._pending.clear()
+            self._queued.clear()
             if not self._registered:
                 self._free.clear()
                 self._leave_node()

@@ -137,17 +137,20 @@ def _facts(prof, choice):
 
 def test_the_offload_runs_share_one_host_pool_and_the_profile_counts_as_before(loopback, monkeypatch):
     """Each offload run built its own engine and host pool and freed it at remove(): on a GPU,
-    the same host memory pinned once per run. Now one pool serves every run: the buffers made
-    are those the offload-everything run alone makes (full + offload's block inputs find them),
-    and every byte the profile reads is what it read before."""
+    the same host memory pinned once per run, in the run's first step. Now one pool serves every
+    run: the buffers made are those the offload-everything run alone makes (full + offload's
+    block inputs find them), all on the pool's thread from the keep count's sizes (none on
+    demand in a run's step), and every byte the profile reads is what it read before."""
+    import threading
+
     from actcfg.runtime import offload_pool
 
-    made: list[int] = []
+    made: list[tuple[int, str]] = []
     pools: list[offload_pool.HostPool] = []
     touched, init = offload_pool._touched, offload_pool.HostPool.__init__
 
     def watched(nbytes):
-        made.append(nbytes)
+        made.append((nbytes, threading.current_thread().name))
         return touched(nbytes)
 
     def counted(self, *args, **kwargs):
@@ -168,8 +171,10 @@ def test_the_offload_runs_share_one_host_pool_and_the_profile_counts_as_before(l
     alone = {c: buffers(("keep", "full", c)) for c in ("full_offload", "offload")}
     prof, n_pools, shared = buffers()
     assert n_pools == 1 and pools[0]._closed and not pools[0]._free  # one pool, freed at the end
-    assert sorted(shared) == sorted(alone["offload"][2])  # the largest run's buffers, no more
+    assert sorted(n for n, _ in shared) == sorted(n for n, _ in alone["offload"][2])  # no more
     assert len(shared) < len(alone["offload"][2]) + len(alone["full_offload"][2])
+    assert all(thread.startswith("actcfg-host-pool") for _, thread in shared)
+    assert pools[0].stats.host_buffers_on_demand == 0
     for c, (own, _, _) in alone.items():  # sharing changed nothing an offload run reads
         assert _facts(prof, c) == _facts(own, c), c
     assert [{c: (o.held, o.moved, o.forward_peak, o.backward_peak) for c, o in b.options.items()}

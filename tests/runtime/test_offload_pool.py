@@ -227,6 +227,24 @@ def test_engines_in_a_shared_pool_scope_reuse_its_buffers_and_it_is_closed_at_th
         assert pool._closed and not pool._free and not pool._pending
 
 
+def test_prepare_makes_every_buffer_asked_ahead_on_the_pool_thread_within_the_budget(no_driver, made_on):
+    """The planner orders the offload run's buffers before the run (`HostPool.prepare`): several
+    of one size are queued, each made in order on the pool's thread; the requests then find them
+    and make nothing; past the budget nothing more is ordered."""
+    stats = OffloadStats()
+    pool = offload_pool.HostPool(True, 6 * ONE, stats)
+    pool.prepare([ONE] * 4 + [2 * ONE] * 2)  # the second 2 * ONE would pass the budget
+    buffers = [pool.acquire(ONE) for _ in range(4)] + [pool.acquire(2 * ONE)]
+    assert all(pinned for _, _, pinned in buffers)
+    _settle(pool)
+    # the last spare of each size taken orders the next, which the budget has no room for
+    assert len(made_on) == 5 and all(t.startswith("actcfg-host-pool") for t in made_on)
+    assert (stats.host_buffers_on_demand, stats.host_buffers_ahead) == (0, 5)
+    assert stats.pinned_bytes == 6 * ONE and stats.pinned_fallbacks == 0
+    assert not pool._pending and not pool._queued  # every queued buffer made
+    pool.close()
+
+
 def test_an_engine_the_shared_pool_does_not_fit_makes_its_own():
     """Another pin setting, a per-node budget, or a pool another engine holds now: its own pool."""
     with host_loopback(), offload_pool.shared_host_pool(False, None, register=False) as pool:
