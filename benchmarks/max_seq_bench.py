@@ -746,8 +746,8 @@ def targets(outcomes: dict[str, Outcome]) -> list[str]:
             mine > longest_peer)
     if hf is not None and hf.search.longest is not None:
         # At HF's longest, where actcfg ran it; else at the longest length both ran (a run of
-        # chosen lengths, --at), said as such.
-        both = [n for n in hf.runs if hf.runs[n].get("fits") and act.runs.get(n, {}).get("fits")]
+        # chosen lengths, --at), said as such. A --steps 0 run has no steady state to compare.
+        both = [n for n in hf.runs if _steady(hf.runs[n]) and _steady(act.runs.get(n, {}))]
         at = hf.search.longest if hf.search.longest in both else max(both, default=None)
         a, h = act.runs.get(at), hf.runs.get(at)
         where = (f"HF's longest ({_k(at)})" if at == hf.search.longest else
@@ -764,6 +764,11 @@ def targets(outcomes: dict[str, Outcome]) -> list[str]:
             row(f"at {where}: HF's first step / its steady state (for scale)",
                 f"{h['first_s']:.2f} / {h['steady_s']:.2f} s = {hf_first:.3f}", None)
     return lines
+
+
+def _steady(run: dict[str, Any]) -> bool:
+    """A length that fit and whose steady state was measured (not a --steps 0 run)."""
+    return bool(run.get("fits")) and run.get("steady_measured", True)
 
 
 def bounds(o: Outcome, shape: Shape) -> list[str]:
@@ -791,8 +796,14 @@ def bounds(o: Outcome, shape: Shape) -> list[str]:
                f"{frag / GiB:.2f} GiB more than allocated (fragmentation; `expandable_segments` "
                "was on unless the run says otherwise).")
     if r.get("kept_at_turn_bytes"):
-        out.append(f"* actcfg kept {r['kept_at_turn_bytes'] / GiB:.2f} GiB on the GPU at the "
-                   "forward/backward turn (`keep_last`, default 1): `checkpoint.mode: rules` with "
+        # The last group runs from the last layer's start to the forward's end, so it also holds
+        # what the model saves after its layers (a Llama's final norm: its fp32 input and output).
+        kept, layer = r["kept_at_turn_bytes"], r["layer_input_bytes"]
+        after = (f": the last layer's input ({layer / GiB:.2f} GiB) and {(kept - layer) / GiB:.2f} GiB "
+                 "the model saves after its last layer (the final norm's input and output), which "
+                 "join the last group" if kept > layer else "")
+        out.append(f"* actcfg kept {kept / GiB:.2f} GiB on the GPU at the forward/backward turn, the "
+                   f"last group (`keep_last`, default 1){after}. `checkpoint.mode: rules` with "
                    "`keep_last: 0` offloads it too, at the cost of a copy nothing hides.")
     if r.get("pinned_host") is not None:
         out.append(f"* host memory: {r['pinned_host'] / GiB:.2f} GiB pinned (bounded by "
@@ -811,8 +822,11 @@ def render(meta: dict[str, Any], outcomes: dict[str, Outcome], shape: Shape) -> 
               "Only the lengths listed under each variant were run (no search): a longest that fit is "
               "a lower bound, a shortest that did not an upper bound; ")
            + "each length in a fresh process; "
-           f"steady state: median of {meta['steps']} steps after the first at that length; "
-           f"allocator: {meta['alloc_conf'] or 'defaults'}.",
+           + (f"steady state: median of {meta['steps']} steps after the first at that length; "
+              if meta["steps"] else
+              "this call ran the first step only (--steps 0: whether a length fits), as its rows say; "
+              "rows resumed from an earlier call keep that call's steady state; ")
+           + f"allocator: {meta['alloc_conf'] or 'defaults'}.",
            ""]
     if meta["jobs"] > 1:
         out += [f"Variants ran {meta['jobs']} at a time on one GPU: their times share it and are not "
@@ -891,7 +905,7 @@ def plot(outcomes: dict[str, Outcome], path: Path, shape_name: str) -> None:
     bars.invert_yaxis()
     for o in shown:
         pts = sorted((L, r["steady_s"] / L * 1e3) for L, r in o.runs.items()
-                     if r.get("fits") and r.get("proof") == "ok")
+                     if _steady(r) and r.get("proof") == "ok")
         if pts:
             lines.plot([p[0] / 1024 for p in pts], [p[1] for p in pts], marker="o", label=o.label)
     lines.set_xlabel("sequence length (k tokens)")

@@ -26,7 +26,8 @@ above what was allocated at the start, and that time (forward and backward: what
 predicts); the whole step time (with the optimizer step) is reported beside it. Medians over
 --steps steps after --warmup steps (the planning step among the warm-ups); peaks are the largest
 over the measured steps. A plan row reports its planning time (the callback's `plan_seconds`)
-and that time in plain steps (target: at most 20). A time counts only beside its proof: the
+and that time in plain steps (target: at most 20), and under the table where it went
+(`planning_parts_ms`: the profile's parts, its compiling, and what was spent outside it). A time counts only beside its proof: the
 first step's loss equal to plain's within 2e-2 relative (before any update every row computes
 the same loss), a checkpointing row's recomputes counted, a plan's measured peak within its
 budget. Writes trainer_bench.json and trainer_bench.md to --out. Not run in CI: it needs a GPU.
@@ -71,6 +72,9 @@ class Row:
     predicted_peak: int | None = None
     plan_seconds: float | None = None
     plan_in_plain_steps: float | None = None
+    planning_parts_ms: dict[str, float] = field(default_factory=dict)
+    """The profile's wall time by part (`Profile.parts_ms`), and `compile` and `outside` (what
+    `plan_seconds` spent beyond the profile: solving, writing and applying the plan)."""
     plan: list[dict[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -130,6 +134,12 @@ def _policy_facts(row: Row, callback: Any) -> None:
     if applied.engine is not None:
         row.offloaded_bytes = applied.engine.stats.offloaded_bytes
     if applied.plan is not None:
+        row.planning_parts_ms = dict(applied.plan.parts_ms)
+        if applied.plan.compile_ms:
+            row.planning_parts_ms["compile"] = applied.plan.compile_ms
+        if row.plan_seconds is not None:
+            row.planning_parts_ms["outside"] = max(
+                0.0, row.plan_seconds * 1000 - applied.plan.profile_ms - applied.plan.compile_ms)
         row.predicted_ms = applied.plan.predicted_step_time_ms
         row.predicted_peak = applied.plan.predicted_peak
         row.plan = [{"module": m, "choice": c} for m, c in applied.plan.choices]
@@ -359,7 +369,17 @@ def render(meta: dict[str, Any], rows: list[Row], verdicts: list[str]) -> str:
                      f"{r.peak / GiB:.2f} | {r.fwd_bwd_ms:.1f} | {r.step_ms:.1f} | {pred} | {plan} | "
                      f"{'' if r.recomputes is None else r.recomputes} | "
                      f"{'' if r.loss_rel_err is None else f'{r.loss_rel_err:.1e}'} |")
+    lines += [""] + [planning_line(r) for r in rows if r.planning_parts_ms]
     return "\n".join(lines + ["", *verdicts, ""])
+
+
+def planning_line(row: Row) -> str:
+    """Where a plan row's planning time went, part by part, in seconds and in plain steps."""
+    total = sum(row.planning_parts_ms.values())
+    steps_per_s = (row.plan_in_plain_steps or 0) / row.plan_seconds if row.plan_seconds else 0.0
+    shown = ", ".join(f"{k} {ms / 1000:.2f} s" + (f" ({ms / 1000 * steps_per_s:.1f} steps)" if steps_per_s else "")
+                      for k, ms in row.planning_parts_ms.items())
+    return f"planning {row.workload} {row.name}: {total / 1000:.1f} s = {shown}"
 
 
 def main(argv: list[str] | None = None) -> int:

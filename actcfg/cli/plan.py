@@ -171,9 +171,7 @@ def _render_plan(args: argparse.Namespace, planned: Any, step_ms: float, peak: i
         f"peak       predicted {memory_size(report.predicted_peak)}, measured {memory_size(peak)} "
         f"(prediction {off(peak, report.predicted_peak)})",
         f"plain      {report.plain_step_time_ms:.1f} ms, {memory_size(report.plain_peak)}",
-        f"planning   {report.profile_ms / 1000:.1f} s profiling"
-        + (f" + {report.compile_ms / 1000:.1f} s compiling ({report.compiled})" if report.compiled
-           else ""),
+        f"planning   {report.planning()}" + (f" ({report.compiled})" if report.compiled else ""),
         ("offload    none" if not any(c in OFFLOADS for _, c in report.choices) else
          f"offload    max_inflight {report.max_inflight}; {report.kept_at_turn} modules after the "
          "last offloaded one stay on the GPU at the turn"),

@@ -120,7 +120,7 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
     profiled = one_profile(local)  # the identity without a process group
     # How long this rank's profile took, and how it was compiled, are this rank's own readings.
     profiled = dataclasses.replace(profiled, compiled=local.compiled, profile_ms=local.profile_ms,
-                                   compile_ms=local.compile_ms,
+                                   compile_ms=local.compile_ms, parts_ms=local.parts_ms,
                                    accumulated_grads=_gradient_bytes(model) if accumulating else 0)
     plan = solve(profiled, policy.memory_budget)
     planned = plan_policy(plan, policy)

@@ -192,6 +192,12 @@ class Profile:
     compile_ms: float = 0.0
     """Wall time the profile spent compiling: its counting forwards, and each compiled run's
     warm-up steps less as many settled steps."""
+    parts_ms: dict[str, float] = field(default_factory=dict)
+    """`profile_ms` by part, in this order: `counts` (the counting forwards, the first forward
+    of the profile among them), each choice's uniform run (applying it, its probed and unprobed
+    steps, removing it), `warm_ups` (every run's first step), `host_pool` (host buffers made and
+    pinned on the runs' critical path, and unpinned at the end), `copy_bandwidth` and `rest`.
+    Compiling is in `compile_ms`, not here."""
 
     def copy_ms(self, nbytes: int, to_host: bool) -> float:
         """Milliseconds one copy of `nbytes` takes at the profiled bandwidth."""

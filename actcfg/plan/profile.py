@@ -18,10 +18,15 @@ the byte counts are then the compiled graphs' saved tensors, and each run is war
 graphs are built; the time that takes is reported apart (`Profile.compile_ms`), and a profile in
 which dynamo built no graph is refused.
 
+What the profile costs is said part by part (`Profile.parts_ms`): the counting forwards, each
+run, the runs' first steps, the host pool, the copy bandwidth. The offload runs share one host
+pool (`actcfg.runtime.offload_pool.shared_host_pool`), whose buffers are made on its thread
+from the keep count's sizes while the runs before them compute, and unpinned at the end.
+
 On the CPU (tests, or `apply` of a CPU model) the same runs happen, timed with wall-clock hooks;
 memory is the bytes of live tensor storages (`actcfg.plan.probe.LiveBytes`), offload choices on
-the host loopback included (their "host" copies go into the engine's pool buffers, made in the
-warm-up step, which the meter does not count); compiled runs are estimated from the counted
+the host loopback included (their "host" copies go into the engine's pool buffers, made on the
+pool's thread or in the warm-up step, which the meter does not count); compiled runs are estimated from the counted
 bytes (see `Profile.notes`). Offload choices are profiled only where offloading runs (CUDA, or
 the host loopback).
 """
@@ -46,7 +51,8 @@ from actcfg.runtime.torch_applier import resolve_ops
 from actcfg.runtime.wrap import select_modules
 from actcfg.errors import ActcfgError, PlanError
 from actcfg.runtime.compiling import warm_up
-from actcfg.runtime.offload import WINDOW_STORAGES, OffloadWarning, loopback_enabled
+from actcfg.runtime.offload import MIN_OFFLOAD_BYTES, WINDOW_STORAGES, OffloadWarning, loopback_enabled
+from actcfg.runtime.offload_pool import HostPool, shared_host_pool
 from actcfg.plan.cost import Run, assemble
 from actcfg.plan.parts import find_parts
 from actcfg.plan.model import CHOICE_OF, CHOICES, OFFLOADS, Profile
@@ -131,6 +137,89 @@ def _graphs_built() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+@dataclasses.dataclass
+class _Warmed:
+    """A uniform run's warm-up step: its wall time, and what of it was compiling and growing the
+    host pool (reported as parts of their own)."""
+
+    wall_ms: float = 0.0
+    compile_ms: float = 0.0
+    pool_ms: float = 0.0
+
+    @property
+    def rest_ms(self) -> float:
+        return max(0.0, self.wall_ms - self.compile_ms - self.pool_ms)
+
+
+@contextlib.contextmanager
+def _warming(warmed: _Warmed | None, spent: list[float], handle: Any) -> Iterator[None]:
+    """Fills `warmed` with the wall time inside (which ends in a step's own synchronize)."""
+    if warmed is None:
+        yield
+        return
+    engine = getattr(handle, "engine", None)
+    waited = engine.stats.host_wait_s if engine is not None else 0.0
+    compiled = sum(spent)
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        warmed.wall_ms = (time.perf_counter() - start) * 1000.0
+        warmed.compile_ms = sum(spent) - compiled
+        warmed.pool_ms = (engine.stats.host_wait_s - waited) * 1000.0 if engine is not None else 0.0
+
+
+class _Timing:
+    """The profile's wall time by part (ms), its compiles left out (see `Profile.parts_ms`).
+
+    Timed with `time.perf_counter` around parts that end in a synchronize of their own (a step's
+    end, a copy measurement, the pool's close): no part adds one. Growing the host pool happens
+    inside the offload runs' first steps; the pool's own clock (`OffloadStats.host_wait_s`, the
+    time its engine's thread waited for buffers) takes it out of them."""
+
+    def __init__(self, spent: list[float]) -> None:
+        self.ms: dict[str, float] = {}
+        self._spent = spent
+
+    def add(self, name: str, ms: float) -> None:
+        self.ms[name] = self.ms.get(name, 0.0) + ms
+
+    def begin(self) -> tuple[float, float]:
+        """A mark for `end` (for a part that spans several statements)."""
+        return time.perf_counter(), sum(self._spent)
+
+    def end(self, name: str, mark: tuple[float, float]) -> None:
+        """Add the wall time since `mark` to `name`, less what was compiled meanwhile."""
+        start, compiled = mark
+        self.add(name, (time.perf_counter() - start) * 1000.0 - (sum(self._spent) - compiled))
+
+    @contextlib.contextmanager
+    def timed(self, name: str, pool: HostPool | None = None) -> Iterator[None]:
+        compiled = sum(self._spent)
+        waited = pool.stats.host_wait_s if pool is not None else 0.0
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            wall = (time.perf_counter() - start) * 1000.0
+            grown = (pool.stats.host_wait_s - waited) * 1000.0 if pool is not None else 0.0
+            if grown:
+                self.add("host_pool", grown)
+            self.add(name, wall - (sum(self._spent) - compiled) - grown)
+
+    def warmed(self, name: str, warmed: _Warmed) -> None:
+        """Move a run's warm-up step (less its compiling and pool growth) to `warm_ups`."""
+        self.ms[name] = self.ms.get(name, 0.0) - warmed.rest_ms
+        self.add("warm_ups", warmed.rest_ms)
+
+    def result(self, total_ms: float, compile_ms: float) -> dict[str, float]:
+        """The parts in the report's order, with `rest` what none of them timed."""
+        order = ["counts", *CHOICES, "warm_ups", "host_pool", "copy_bandwidth"]
+        out = {k: max(0.0, self.ms[k]) for k in order if k in self.ms}
+        out["rest"] = max(0.0, total_ms - compile_ms - sum(out.values()))
+        return out
+
+
 @contextlib.contextmanager
 def _compiling(spent: list[float], compiled: bool) -> Iterator[None]:
     """Adds the wall time inside to `spent` when the model is compiled: a run's first call
@@ -143,11 +232,16 @@ def _compiling(spent: list[float], compiled: bool) -> Iterator[None]:
             spent.append((time.perf_counter() - start) * 1000.0)
 
 
+SETTLED = 0.02
+"""Probed steps within this fraction of each other have settled: one unprobed step scales them."""
+
+
 def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], choice: str,
          args: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor],
          apply: Apply, meter: Meter, steps: int, pin: bool,
          pin_budget: int | None, taken: Sequence[str], compile: Compile | None = None,
-         spent: list[float] | None = None, outputs_held: bool = True) -> Run:
+         spent: list[float] | None = None, warmed: _Warmed | None = None,
+         outputs_held: bool = True) -> Run:
     # `taken`: the modules the choice's rule names (the blocks, or their parts for `split`);
     # the probe and the byte counts stay on the blocks either way. Keep too runs as applied (a
     # `mode: none` rule), as the plan will: applying any policy turns a Hugging Face model's
@@ -159,10 +253,11 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
     compiled = compile is not None
     try:
         # warm-up: pinned pools, allocator, kernels; compiled, until the graphs are all built
-        if compiled:
-            spent.append(warm_up(lambda: probe.step(model, args, kwargs, loss_fn, outputs_held)))
-        else:
-            probe.step(model, args, kwargs, loss_fn, outputs_held)
+        with _warming(warmed, spent, handle):
+            if compiled:
+                spent.append(warm_up(lambda: probe.step(model, args, kwargs, loss_fn, outputs_held)))
+            else:
+                probe.step(model, args, kwargs, loss_fn, outputs_held)
         measured = [probe.step(model, args, kwargs, loss_fn, outputs_held) for _ in range(steps)]
         probe.remove()
         # The probe's per-block hooks and events cost time of their own, which dominates small
@@ -174,8 +269,17 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
             spent.append(warm_up(lambda: measure_steps(model, kwargs if kwargs else tuple(args),
                                                        loss_fn=loss_fn, steps=1,
                                                        count=meter.memory, outputs_held=outputs_held)))
+        # No warm-up step of their own: the probed steps just ran this policy on these inputs
+        # (allocator, host pool and kernels warm; compiled, `warm_up` above rebuilt the graph),
+        # and a step without the probe's hooks runs the same kernels and copies. It was one
+        # discarded step per choice: on an H200 GPT-2 (126 ms plain), ~1 s of a profile. And
+        # one unprobed step where the probed ones agreed within SETTLED: the step time has
+        # settled, and a second unprobed step would repeat the first within that noise.
+        times = [m.step_ms for m in measured]
+        settled = len(times) > 1 and min(times) > 0 and max(times) <= (1 + SETTLED) * min(times)
         unprobed, _ = measure_steps(model, kwargs if kwargs else tuple(args), loss_fn=loss_fn,
-                                    steps=steps, count=meter.memory, outputs_held=outputs_held)
+                                    steps=1 if settled else steps, count=meter.memory, warm=True,
+                                    outputs_held=outputs_held)
         moved = [0] * len(names)
         if handle.engine is not None:
             by_name = {}
@@ -246,15 +350,19 @@ def profile(
     loss = loss_fn or default_loss
     notes: list[str] = []
     runs: dict[str, Run] = {}
+    timing = _Timing(spent)
+    offloading = any(c in OFFLOADS for c in wanted)
     left: dict[str, list[int]] = {}  # per choice, what each block leaves alive until the turn
     with _restored(model), _quiet():
         model.train()
         with torch.enable_grad():
+            counting = timing.begin()
             try:
                 with _compiling(spent, compiled), _trial(model, names, compile, pin, pin_budget, apply):
                     largest = [0] * len(blocks)
+                    sizes: list[list[int]] = [[] for _ in blocks]
                     left["keep"] = [0] * len(blocks)
-                    held = {"keep": saved_bytes(model, blocks, args, kwargs, largest=largest,
+                    held = {"keep": saved_bytes(model, blocks, args, kwargs, largest=largest, sizes=sizes,
                                                 left=None if compiled else left["keep"])}
             except torch.cuda.OutOfMemoryError:
                 oom = True
@@ -267,6 +375,9 @@ def profile(
                     "the model's forward alone does not fit in GPU memory without a policy, so the "
                     "profile cannot count what each candidate keeps; profile it with a smaller "
                     "batch (the plan's choices scale with it), or on a GPU with more memory")
+            # The counting forwards (one per choice that recomputes, one for selective's saved
+            # ops' outputs) stay: a forward without backward is cheap (~1/3 of a step), and the
+            # counts are exact where a run's peaks are not (they mix held bytes with transients).
             for choice in ("full", "selective", "split"):
                 if choice in wanted:
                     handle = apply(model, _uniform(taken(choice), choice, pin, pin_budget, compile))
@@ -284,29 +395,54 @@ def profile(
             if "selective" in wanted and not compiled:
                 outputs = saved_bytes(model, blocks, args, kwargs, save_ops=resolve_ops(DEFAULT_SAVE_OPS))
                 held["selective"] = [s + o for s, o in zip(held["selective"], outputs)]
-            for choice in wanted:
-                try:
-                    # On the host loopback an offload's "host" copies are CPU tensors too, but
-                    # they go into the engine's pool buffers, made in the warm-up step before
-                    # the meter starts and written in place after, which `LiveBytes` does not
-                    # count: what it counts is what the device side holds. Compiled graphs run
-                    # below the Python dispatch mode that counts live bytes, so a compiled CPU
-                    # run is estimated from its counted bytes (CUDA measures either way).
-                    meter = Meter(device, count=not compiled)
-                    runs[choice] = _run(model, blocks, names, choice, args, kwargs, loss, apply,
-                                        meter, steps, pin, pin_budget, taken(choice), compile,
-                                        spent, outputs_held)
-                except torch.cuda.OutOfMemoryError:
-                    if strict:
-                        raise
-                    notes.append(f"{choice}: out of GPU memory in its uniform run; "
-                                 + ("estimated from full" if choice == "keep" else "not a choice"))
-                    # the failed step's tensors die with the exception, here: give them back
-                    gc.collect()
-                    torch.cuda.empty_cache()
+            timing.end("counts", counting)
+            # One host pool for every offload run (see `shared_host_pool`): closed (unpinned)
+            # when they are done, before the plan is applied. Not handed on to the applied plan:
+            # it holds what the offload-everything run moved, far more than most plans move, and
+            # would keep that pinned (and counted against pin_budget) for the whole training run.
+            pooling = shared_host_pool(pin, pin_budget, register=device.type == "cuda") \
+                if offloading else contextlib.nullcontext()
+            with pooling as pool:
+                if pool is not None and "offload" in wanted and not compiled:
+                    # What the offload run will copy, made on the pool's thread while the runs
+                    # before it compute (their steps wait on the GPU, with the GIL released):
+                    # made in its first step, on demand and as spares, pinning (a few GB/s)
+                    # was most of that step, ahead of every block's copy. The storages each
+                    # block keeps, but the last block's (its group stays on the device) and
+                    # those under the engine's threshold; full + offload's block inputs are
+                    # among them. Compiled, the graphs save other storages: left on demand.
+                    pool.prepare(n for per in sizes[:-1] for n in per if n >= MIN_OFFLOAD_BYTES)
+                for choice in wanted:
+                    warmed = _Warmed()
+                    try:
+                        # On the host loopback an offload's "host" copies are CPU tensors too, but
+                        # they go into the engine's pool buffers, made before the meter starts (on
+                        # the pool's thread, or in the warm-up step) and written in place after,
+                        # which `LiveBytes` (its dispatch mode is this thread's) does not
+                        # count: what it counts is what the device side holds. Compiled graphs run
+                        # below the Python dispatch mode that counts live bytes, so a compiled CPU
+                        # run is estimated from its counted bytes (CUDA measures either way).
+                        meter = Meter(device, count=not compiled)
+                        with timing.timed(choice, pool):
+                            runs[choice] = _run(model, blocks, names, choice, args, kwargs, loss,
+                                                apply, meter, steps, pin, pin_budget, taken(choice),
+                                                compile, spent, warmed, outputs_held)
+                    except torch.cuda.OutOfMemoryError:
+                        if strict:
+                            raise
+                        notes.append(f"{choice}: out of GPU memory in its uniform run; "
+                                     + ("estimated from full" if choice == "keep" else "not a choice"))
+                        # the failed step's tensors die with the exception, here: give them back
+                        gc.collect()
+                        torch.cuda.empty_cache()
+                    timing.warmed(choice, warmed)
+                closing = time.perf_counter()
+            if pool is not None:
+                timing.add("host_pool", (time.perf_counter() - closing) * 1000.0)
         d2h = h2d = 0.0
         if device.type == "cuda" and any(c in runs for c in OFFLOADS):
-            d2h, h2d = copy_bandwidth()
+            with timing.timed("copy_bandwidth"):
+                d2h, h2d = copy_bandwidth()
     for c in OFFLOADS:
         if c in runs and not any(runs[c].moved):
             del runs[c]  # it cannot lower any peak: every block's share is under min_offload_bytes
@@ -331,7 +467,8 @@ def profile(
     total_ms = (time.perf_counter() - started) * 1000.0
     return dataclasses.replace(
         profiled, compiled=f"{compile.scope} with {compile.backend}" if compile else "",
-        compile_ms=compile_ms, profile_ms=max(0.0, total_ms - compile_ms))
+        compile_ms=compile_ms, profile_ms=max(0.0, total_ms - compile_ms),
+        parts_ms=timing.result(total_ms, compile_ms))
 
 
 @contextlib.contextmanager
@@ -347,18 +484,21 @@ def _trial(model: nn.Module, names: Sequence[str], compile: Compile | None, pin:
 
 
 def measure_steps(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                  steps: int = 3, count: bool = True, outputs_held: bool = True) -> tuple[float, int]:
+                  steps: int = 3, count: bool = True, warm: bool = False,
+                  outputs_held: bool = True) -> tuple[float, int]:
     """(median step ms, peak bytes of the last step above its start) of `steps` training steps
     after one warm-up, as the profile measures them (gradients set to None before each; on the
-    CPU the bytes `LiveBytes` counts, or 0 with `count=False`; `outputs_held` as in
-    `Probe.step`)."""
+    CPU the bytes `LiveBytes` counts, or 0 with `count=False`). `warm`: the model has just run
+    these steps with this policy (the profile's probed steps), so no warm-up step.
+    `outputs_held` as in `Probe.step`."""
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
     meter = Meter(device, count=count)
     args, kwargs = _split(inputs)
     loss = loss_fn or default_loss
     times = []
     peak = 0
-    for i in range(steps + 1):
+    first = 0 if warm else 1
+    for i in range(steps + first):
         model.zero_grad(set_to_none=True)
         meter.begin()
         try:
@@ -373,7 +513,7 @@ def measure_steps(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], tor
             meter.peak_and_reset()
         finally:
             meter.end()
-        if i:
+        if i >= first:
             times.append(meter.ms(start, end))
             peak = meter.step_peak
     return statistics.median(times), peak

@@ -156,14 +156,15 @@ class _Created(TorchDispatchMode):
 
 def saved_bytes(model: nn.Module, modules: Sequence[nn.Module], args: tuple[Any, ...],
                 kwargs: dict[str, Any], save_ops: Sequence[Any] = (),
-                largest: list[int] | None = None, left: list[int] | None = None,
-                kept_apart: Sequence[Any] = ()) -> list[int]:
+                largest: list[int] | None = None, sizes: list[list[int]] | None = None,
+                left: list[int] | None = None, kept_apart: Sequence[Any] = ()) -> list[int]:
     """Bytes of the storages autograd saves inside each module's forward (its first call; each
     storage counted once, parameters and leaves that require grad left out); with `save_ops`,
     the bytes of those ops' outputs there instead (what selective checkpointing keeps besides
     the inputs: up to torch 2.13 they bypass saved-tensor hooks). One forward, graph dropped.
     `largest`, when given (one entry per module), gets each module's largest storage counted:
-    the unit of the offload engine's copy window.
+    the unit of the offload engine's copy window. `sizes`, when given (one list per module),
+    gets the bytes of each storage counted, in the order saved.
 
     `left`, when given (one entry per module, not with `save_ops`), gets what each module's
     forward leaves alive when the last module's forward ends beyond the storages saved: storages
@@ -185,6 +186,8 @@ def saved_bytes(model: nn.Module, modules: Sequence[nn.Module], args: tuple[Any,
                 out[i] += storage.nbytes()
                 if largest is not None:
                     largest[i] = max(largest[i], storage.nbytes())
+                if sizes is not None:
+                    sizes[i].append(storage.nbytes())
         # Never `t` itself: an op that saves its own output (tanh, gelu, sdpa) would then hold
         # that output through its own grad_fn, a cycle inside autograd's C++ that gc cannot
         # see, and this forward (never followed by backward) would keep everything it saved.

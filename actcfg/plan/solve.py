@@ -104,6 +104,7 @@ class Plan:
             compiled=profile.compiled or None,
             profile_ms=profile.profile_ms,
             compile_ms=profile.compile_ms,
+            parts_ms=dict(profile.parts_ms),
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -87,10 +87,10 @@ from torch.utils._pytree import tree_flatten
 
 from actcfg.errors import OffloadError
 from actcfg.runtime.host_budget import NodeBudget
-from actcfg.runtime.offload_pool import HostPool
+from actcfg.runtime.offload_pool import HostPool, borrow_shared_pool
 from actcfg.runtime.offload_stats import OffloadStats, OffloadWarning, no_effect_reason
 
-__all__ = ["WINDOW_STORAGES", "OffloadEngine", "OffloadStats", "OffloadWarning", "host_loopback", "loopback_enabled"]
+__all__ = ["MIN_OFFLOAD_BYTES", "WINDOW_STORAGES", "OffloadEngine", "OffloadStats", "OffloadWarning", "host_loopback", "loopback_enabled"]
 
 _LOOPBACK = threading.local()
 
@@ -384,6 +384,11 @@ def stays(tensor: torch.Tensor, device: torch.device, buffers: set[int],
     return None
 
 
+MIN_OFFLOAD_BYTES = 1 << 20
+"""Saved tensors under this many bytes stay on the device (the engine's default
+`min_offload_bytes`): a copy's launch costs more than the memory it frees."""
+
+
 class OffloadEngine:
     """Offloads saved activations of a forward pass to host memory and prefetches them for backward.
 
@@ -413,7 +418,7 @@ class OffloadEngine:
         pin: bool = True,
         pin_budget: int | None = None,
         pin_budget_per_node: int | None = None,
-        min_offload_bytes: int = 1 << 20,
+        min_offload_bytes: int = MIN_OFFLOAD_BYTES,
         max_inflight: int = 1,
         prefetch: int = 1,
         keep_last: int = 1,
@@ -449,8 +454,11 @@ class OffloadEngine:
         # Pinning is a CUDA registration: the host loopback counts its buffers as pinned (so
         # both budgets act in CPU CI) and registers none.
         node = NodeBudget(pin_budget_per_node) if pin and pin_budget_per_node is not None else None
-        self._pool = HostPool(pin, pin_budget, self._stats, node,
-                              register=self.device.type == "cuda")
+        register = self.device.type == "cuda"
+        # A pool shared by engines that run one after another (the planner's offload trials),
+        # never one with a per-node budget: that account is this engine's own.
+        shared = None if node is not None else borrow_shared_pool(pin, pin_budget, register, self._stats)
+        self._pool = shared or HostPool(pin, pin_budget, self._stats, node, register=register)
         self._copies = _Copies(self.device)
         self._skip_modules: list[weakref.ref[nn.Module]] = []
         self._buffers: set[int] = set()
@@ -467,7 +475,8 @@ class OffloadEngine:
         self._closed = False
         self._warned_no_effect = False
         # Unpin the pool even if close() is never called: freed memory must not stay registered.
-        self._unpin_at_exit = weakref.finalize(self, self._pool.close)
+        # A shared pool is given back instead: its owner closes it (`shared_host_pool`).
+        self._unpin_at_exit = weakref.finalize(self, self._pool.give_back if shared else self._pool.close)
 
     # --- configuration -----------------------------------------------------------------
 
@@ -872,7 +881,9 @@ class OffloadEngine:
     # --- lifetime -----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Wait for every copy, then unpin and free the host pool. The engine cannot be used after."""
+        """Wait for every copy, then unpin and free the host pool (a shared pool is given back
+        to its owner, buffers and all: each keeps the event its last copy recorded, which the
+        next engine waits for). The engine cannot be used after."""
         if self._closed:
             return
         self._closed = True

@@ -4,14 +4,19 @@ Page-locked buffers are registered with `cudaHostRegister` at their exact size (
 allocator rounds every request up to a power of two), never more than `pin_budget` in total
 nor more than this process's part of `pin_budget_per_node`; past either, or if pinning fails,
 pageable buffers with one warning. Buffers are prepared ahead of need on one background thread.
+Engines that run one after another (the planner's offload trials) can share one pool
+(`shared_host_pool`), so what one pinned the next reuses.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import threading
 import time
 import warnings
+from collections import deque
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -19,7 +24,7 @@ import torch
 from actcfg.runtime.host_budget import NodeBudget
 from actcfg.runtime.offload_stats import OffloadStats, OffloadWarning
 
-__all__ = ["HostPool"]
+__all__ = ["HostPool", "borrow_shared_pool", "shared_host_pool"]
 
 
 class HostPool:
@@ -64,11 +69,35 @@ class HostPool:
         self._misses: dict[int, int] = {}  # on-demand allocations per size
         self._spares: set[int] = set()  # data_ptrs of prepared buffers no request has taken yet
         self._pending: dict[int, concurrent.futures.Future[None]] = {}  # size -> spare in preparation
+        # size -> every buffer of it ordered and not yet made (`prepare` orders several), in
+        # order; `_pending` holds the first, the one a request of that size waits for
+        self._queued: dict[int, deque[concurrent.futures.Future[None]]] = {}
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
+        self._borrowed = False  # a shared pool (`shared_host_pool`) lent to an engine now
         # Reentrant: a chunk's __del__ (which releases its buffer) can run from garbage
         # collection in the middle of acquire() on the same thread.
         self._lock = threading.RLock()
+
+    @property
+    def stats(self) -> OffloadStats:
+        """The counters the pool writes its holdings and growth into (its engine's)."""
+        return self._stats
+
+    def lend(self, stats: OffloadStats) -> None:
+        """Count into `stats` from here on (the engine that borrows a shared pool now), with what
+        the pool holds and has done carried over: the budget goes on counting every byte it
+        pinned, and the engine's report shows the pool it really uses."""
+        with self._lock:
+            for name in _POOL_COUNTERS:
+                setattr(stats, name, getattr(self._stats, name))
+            self._stats = stats
+            self._borrowed = True
+
+    def give_back(self) -> None:
+        """The borrowing engine is done (closed): its buffers stay for the next engine."""
+        with self._lock:
+            self._borrowed = False
 
     def acquire(self, nbytes: int) -> tuple[torch.Tensor, Any, bool]:
         """A uint8 host buffer of at least `nbytes`, the event its last reader recorded, and
@@ -119,11 +148,19 @@ class HostPool:
                 self._order_spare(size)
         return entry
 
-    def _order_spare(self, nbytes: int) -> None:
-        """Prepare one buffer of `nbytes` on the background thread, unless one is on its way or
-        the budget has no room for it (a spare is a guess; it never pushes a request past the
-        budget). The caller holds the lock."""
-        if self._closed or nbytes in self._pending:
+    def prepare(self, sizes: Iterable[int]) -> None:
+        """Make a buffer of each of `sizes` on the background thread, in order, ahead of a run
+        known to need them: spares like those the pool orders itself, within the budget, and
+        unpinned to make room for a request past it."""
+        with self._lock:
+            for nbytes in sizes:
+                self._order_spare(nbytes, more=True)
+
+    def _order_spare(self, nbytes: int, more: bool = False) -> None:
+        """Prepare one buffer of `nbytes` on the background thread, unless one is on its way
+        (`more`: even then) or the budget has no room for it (a spare is a guess; it never
+        pushes a request past the budget). The caller holds the lock."""
+        if self._closed or (nbytes in self._pending and not more):
             return
         pinned = self._pin and not self._pin_failed
         if pinned:
@@ -144,7 +181,22 @@ class HostPool:
         # current): a new thread's current device is 0, and a CUDA call there would create a
         # context on GPU 0 for every rank of a job that does not mask devices.
         device = torch.cuda.current_device() if pinned and torch.cuda.is_available() else None
-        self._pending[nbytes] = self._worker.submit(self._prepare, nbytes, pinned, device)
+        # Under the lock: `_prepare` reads the queue only once this call has left it.
+        queue = self._queued.setdefault(nbytes, deque())
+        queue.append(self._worker.submit(self._prepare, nbytes, pinned, device))
+        self._pending[nbytes] = queue[0]
+
+    def _made(self, nbytes: int) -> None:
+        """One buffer of `nbytes` ordered is made (or failed): a request of that size now waits
+        for the next one, if any. The caller holds the lock."""
+        queue = self._queued.get(nbytes)
+        if queue:
+            queue.popleft()  # this job's own future: the one worker runs them in order
+        if queue:
+            self._pending[nbytes] = queue[0]
+        else:
+            self._queued.pop(nbytes, None)
+            self._pending.pop(nbytes, None)
 
     def _prepare(self, nbytes: int, pinned: bool, device: int | None) -> None:
         """On the background thread: make a spare and put it in the free list."""
@@ -162,10 +214,10 @@ class HostPool:
                     self._stats.pinned_bytes -= nbytes
                     self._stats.pinned_allocations -= 1
                     self._pin_failed, self._pin_error = True, str(e)
-                    self._pending.pop(nbytes, None)
+                    self._made(nbytes)
                 return
         with self._lock:
-            self._pending.pop(nbytes, None)
+            self._made(nbytes)
             if self._closed:  # close() ran meanwhile: nothing may stay registered
                 if pinned:
                     self._unregister(buffer)
@@ -220,7 +272,7 @@ class HostPool:
         """Unpin unused spares (largest first) until `nbytes` more fit the budget: a guess never
         costs a request its pinned memory."""
         with self._lock:
-            pending = list(self._pending.values())
+            pending = [f for queue in self._queued.values() for f in queue]
         concurrent.futures.wait(pending)  # their bytes are reserved
         with self._lock:
             for size in sorted(self._free, reverse=True):
@@ -273,6 +325,7 @@ class HostPool:
             worker.shutdown(wait=not on_worker, cancel_futures=True)
         with self._lock:
             self._pending.clear()
+            self._queued.clear()
             if not self._registered:
                 self._free.clear()
                 self._leave_node()
@@ -289,6 +342,48 @@ class HostPool:
         # Only once nothing is pinned any more: another rank may pin these bytes right after.
         if self._node is not None:
             self._node.close()
+
+
+_POOL_COUNTERS = ("pinned_bytes", "pinned_allocations", "pageable_bytes", "pinned_fallbacks",
+                  "host_buffers_ahead", "host_buffers_on_demand", "host_wait_s")
+"""The `OffloadStats` fields that count the pool (over its lifetime), not an engine's steps."""
+
+_SHARED = threading.local()
+
+
+@contextlib.contextmanager
+def shared_host_pool(pin: bool, pin_budget: int | None, *, register: bool) -> Iterator[HostPool]:
+    """Within this block, each offload engine this thread builds with the same `pin` and
+    `pin_budget` (and no `pin_budget_per_node`) borrows this one pool instead of making its own,
+    while no other engine holds it; the pool is closed (unpinned) when the block ends.
+
+    For engines that run one after another: the planner's offload trials
+    (`actcfg.plan.profile`). Each trial's engine made its own pool and closed it at `remove()`,
+    so the same host memory was pinned once per trial, and pinning runs at a few GB/s
+    (`cudaHostRegister`, pages faulted in first): seconds per trial at a GPT-2's activations.
+    Shared, a trial finds the buffers an earlier one made (served best-fit, as within a run), and
+    the pool holds the largest trial's need rather than their sum. `register`: pin with
+    `cudaHostRegister` (False on the host loopback, as the engine's own pool)."""
+    pool = HostPool(pin, pin_budget, OffloadStats(), register=register)
+    before = getattr(_SHARED, "pool", None)
+    _SHARED.pool = pool
+    try:
+        yield pool
+    finally:
+        _SHARED.pool = before
+        pool.close()
+
+
+def borrow_shared_pool(pin: bool, pin_budget: int | None, register: bool,
+                       stats: OffloadStats) -> HostPool | None:
+    """The `shared_host_pool` of this thread, lent to the engine counting into `stats`, when its
+    settings are the engine's and no engine holds it; else None (the engine makes its own)."""
+    pool: HostPool | None = getattr(_SHARED, "pool", None)
+    if pool is None or pool._borrowed or pool._closed or (pool._pin, pool._budget,
+                                                         pool._register_buffers) != (pin, pin_budget, register):
+        return None
+    pool.lend(stats)
+    return pool
 
 
 # cudaHostRegisterPortable (driver_types.h).

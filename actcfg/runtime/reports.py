@@ -168,6 +168,10 @@ class CompileReport:
         return {"scope": self.scope, "backend": self.backend, "modules": list(self.modules)}
 
 
+_PART_LABELS = {"warm_ups": "warm-ups", "host_pool": "host pool", "copy_bandwidth": "copy bandwidth"}
+"""How the planning parts that are not choices read in a line (a choice keeps its name)."""
+
+
 @dataclass(frozen=True)
 class PlanReport:
     """What `checkpoint.mode: auto` planned: the choice per candidate module, what the plan
@@ -203,6 +207,16 @@ class PlanReport:
     compile_ms: float = 0.0
     """Wall time the profile spent compiling (its counting forwards, and each compiled run's
     warm-up steps less as many settled steps)."""
+    parts_ms: dict[str, float] = field(default_factory=dict, hash=False)
+    """`profile_ms` by part (`actcfg.plan.Profile.parts_ms`): the counting forwards, each
+    choice's run, the runs' first steps, the host pool, the copy bandwidth, the rest."""
+
+    def planning(self) -> str:
+        """How long the profile took and where it went: `15.2 s (counts 0.4, keep 1.1, ...,
+        rest 0.1 s)`, and its compiling apart."""
+        shown = [f"{_PART_LABELS.get(k, k)} {ms / 1000:.1f}" for k, ms in self.parts_ms.items()]
+        return (f"{self.profile_ms / 1000:.1f} s" + (f" ({', '.join(shown)} s)" if shown else "")
+                + (f" + {self.compile_ms / 1000:.1f} s compiling" if self.compiled else ""))
 
     def summary(self) -> str:
         """One line: the choices and the prediction."""
@@ -215,8 +229,7 @@ class PlanReport:
                 f"peak {memory_size(self.predicted_peak)} (plain {self.plain_step_time_ms:.1f} ms, "
                 f"{memory_size(self.plain_peak)}; profiled on {self.device}"
                 + (f", compiled ({self.compiled})" if self.compiled else "")
-                + f"; planning took {self.profile_ms / 1000:.1f} s"
-                + (f" + {self.compile_ms / 1000:.1f} s compiling" if self.compiled else "") + ")")
+                + f"; planning took {self.planning()})")
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able form (the `plan` section of an applied policy's report)."""
@@ -237,6 +250,6 @@ class PlanReport:
             "predicted": {"step_time_ms": self.predicted_step_time_ms, "peak": self.predicted_peak},
             "plain": {"step_time_ms": self.plain_step_time_ms, "peak": self.plain_peak},
             "planning": {"profile_ms": self.profile_ms, "compile_ms": self.compile_ms,
-                         "compiled": self.compiled},
+                         "compiled": self.compiled, "parts_ms": dict(self.parts_ms)},
             "plan": self.policy_yaml,
         }

@@ -277,3 +277,26 @@ def test_a_resumed_run_reuses_measured_lengths_and_compares_where_both_ran(bench
             "HF's <= 1.05 | 31.00 / 30.80 s = 1.006 | yes |") in lines
     with pytest.raises(ValueError, match="measured another shape"):
         bench.earlier_runs(path, bench.SHAPES["small"])
+
+
+def test_a_first_step_only_length_counts_for_the_longest_but_not_for_the_speed_targets(bench):
+    """--steps 0 asks only whether a length fits: it extends the longest, its speed is not a
+    steady state, and the speed targets stay at the longest length both ran with one."""
+    k = 1024
+    first_only = {**_run(288 * k, steady=140.0, engine=True), "step_s": [], "steady_measured": False,
+                  "kept_at_turn_bytes": 4 * 288 * k * 3072 * 2}  # the last layer's input and the head's
+    outcomes = {
+        "hf-checkpointing": _outcome(bench, "hf-checkpointing", {192 * k: _run(192 * k, steady=65.7)}, None),
+        "actcfg-checkpoint-cpu": _outcome(bench, "actcfg-checkpoint-cpu",
+                                          {192 * k: _run(192 * k, steady=66.0, engine=True),
+                                           288 * k: first_only}, None),
+    }
+    meta = {"date": "2026-12-01T00:00:00+00:00", "gpu": "NVIDIA H200", "torch": "2.11", "transformers": "5.24",
+            "shape_name": "3b", "steps": 0, "jobs": 1, "alloc_conf": "expandable_segments:True"}
+    text = bench.render(meta, outcomes, bench.SHAPES["3b"])
+    assert "longer than every peer | 288k against 192k (288k the longest tried: longer not tried) | yes |" in text
+    assert "| 2107 (first step) | 147.00 | not measured | – |" in text
+    assert "HF's longest (192k): actcfg's steady time per token / HF's <= 1.05 | 66.00 / 65.70 s" in text
+    assert ("kept 6.75 GiB on the GPU at the forward/backward turn, the last group (`keep_last`, default 1): "
+            "the last layer's input (1.69 GiB) and 5.06 GiB the model saves after its last layer") in text
+    assert "this call ran the first step only (--steps 0" in text

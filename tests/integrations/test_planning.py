@@ -128,8 +128,10 @@ def test_hf_plans_on_the_first_batch_and_changes_nothing_the_run_sees(tmp_path, 
     written = tmp_path / "planned" / "actcfg-plan.yaml"
     assert planning.plan_written == written and written.is_file()
     out = capsys.readouterr().out
-    assert re.search(r"^actcfg: planned 3 modules within memory_budget .*; planned in [\d.]+ s on the "
-                     rf"first batch; plan written to {re.escape(str(written))}$", out, re.M)
+    assert re.search(r"^actcfg: planned 3 modules within memory_budget .*; planning took [\d.]+ s "
+                     r"\(counts [\d.]+, keep [\d.]+, .*, rest [\d.]+ s\)\); planned in [\d.]+ s on the "
+                     r"first batch \([\d.]+ s of it outside the profile\); plan written to "
+                     rf"{re.escape(str(written))}$", out, re.M)
     assert re.search(r"^actcfg: after the first step: \d+ checkpointed forwards", out, re.M)
     text = written.read_text()
     assert "mode: full" in text or "mode: selective" in text  # the budget makes it checkpoint
@@ -213,7 +215,7 @@ def test_hf_plans_compiled_on_the_first_batch_when_the_policy_says_compile(tmp_p
     assert "compile: {scope: blocks, backend: aot_eager}" in written.read_text()
     out = capsys.readouterr().out
     assert re.search(r"^actcfg: planned 3 modules .* compiled \(blocks with aot_eager\); planning "
-                     r"took [\d.]+ s \+ [\d.]+ s compiling\)", out, re.M), out
+                     r"took [\d.]+ s \(counts [\d.]+, .*, rest [\d.]+ s\) \+ [\d.]+ s compiling\)", out, re.M), out
     assert len(planned["steps"]) == STEPS and all(map(math.isfinite, planned["losses"]))
     torch._dynamo.reset()
 
@@ -321,7 +323,8 @@ def test_lightning_plans_on_the_first_batch_and_changes_nothing_the_run_sees(tmp
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("actcfg:")]
     assert len(said) == 2
     assert re.match(r"actcfg: planned 3 modules within memory_budget .*; planned in [\d.]+ s on the "
-                    rf"first batch; plan written to {re.escape(str(written))}$", said[0])
+                    r"first batch \([\d.]+ s of it outside the profile\); plan written to "
+                    rf"{re.escape(str(written))}$", said[0])
     assert said[1].startswith("actcfg: after the first step: ")
 
     caplog.clear()

@@ -131,3 +131,35 @@ def test_keep_last_holds_the_newest_groups_and_skips_their_copies():
     assert seen[0][2] == [f"blocks.{i}" for i in range(8)]
     assert seen[2][2] == [f"blocks.{i}" for i in range(6)]
     assert seen[2][1] == pytest.approx(seen[0][1] * 6 / 8, rel=0.01)
+
+
+def test_the_offload_runs_share_one_pool_pinned_ahead_and_unpinned_at_the_end(monkeypatch):
+    """Planning time (issue 18): both offload runs use one host pool, its buffers pinned on the
+    pool's thread while the runs before them compute (not in the offload run's first step), and
+    nothing stays pinned after; the profile says where its time went, copy bandwidth included."""
+    import threading
+
+    from actcfg.runtime import offload_pool
+
+    made: list[tuple[int, str]] = []
+    pools: list[offload_pool.HostPool] = []
+    touched, init = offload_pool._touched, offload_pool.HostPool.__init__
+
+    def watched(nbytes):
+        made.append((nbytes, threading.current_thread().name))
+        return touched(nbytes)
+
+    def counted(self, *args, **kwargs):
+        pools.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(offload_pool, "_touched", watched)
+    monkeypatch.setattr(offload_pool.HostPool, "__init__", counted)
+    model, x = small_blocks()
+    prof = profile(model, ("Block",), x, apply=apply)
+    assert len(pools) == 1 and pools[0]._closed and not pools[0]._registered
+    ahead = sum(n for n, t in made if t.startswith("actcfg-host-pool"))
+    assert ahead >= 0.9 * sum(n for n, _ in made) > 0, made
+    assert {"counts", "offload", "full_offload", "warm_ups", "host_pool", "copy_bandwidth",
+            "rest"} <= set(prof.parts_ms)
+    assert sum(prof.parts_ms.values()) == pytest.approx(prof.profile_ms)

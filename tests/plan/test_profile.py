@@ -104,6 +104,102 @@ def test_the_profile_has_every_choice_with_counted_bytes_and_puts_the_model_back
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+# What the profile of `chain()` counted and measured before its offload runs shared one host
+# pool and its unprobed steps lost their warm-up (main at 8ece76d, on the host loopback): per
+# layer, per choice, (held, moved, forward_peak, backward_peak); and each choice's measured peak.
+BEFORE = {
+    "options": [
+        {"keep": (4194304, 0, 4194304, 12591112), "selective": (4194304, 0, 4194304, 12591112),
+         "full": (2097152, 0, 4194304, 12591112), "full_offload": (2097152, 0, 4194304, 12591112),
+         "offload": (2097152, 2097152, 4194304, 10493960)},
+        {"keep": (4194304, 0, 4194304, 11540488), "selective": (4194304, 0, 4194304, 11540488),
+         "full": (2097152, 0, 4194304, 11540488), "full_offload": (0, 2097152, 4194304, 11540488),
+         "offload": (0, 4194304, 4194304, 9443336)},
+        {"keep": (4194304, 0, 4194304, 10489864), "selective": (4194304, 0, 4194304, 10489864),
+         "full": (2097152, 0, 4194304, 10489864), "full_offload": (0, 2097152, 4194304, 10489864),
+         "offload": (0, 4194304, 4194304, 9443336)},
+        {"keep": (4194304, 0, 4194304, 9439240), "selective": (4194304, 0, 4194304, 9439240),
+         "full": (2097152, 0, 4194304, 9439240), "full_offload": (0, 2097152, 4194304, 9439240),
+         "offload": (0, 4194304, 4194304, 8392712)},
+    ],
+    "measured_peaks": {"keep": 25165832, "selective": 25165832, "full": 16777224,
+                       "full_offload": 14684168, "offload": 15734792},
+    "plain_peak": 25165832, "outside_peak": 7350276, "largest_storage": 2097152,
+}
+
+
+def _facts(prof, choice):
+    """What a profile read of one choice's run, per layer and whole (bytes only)."""
+    return ([(b.options[choice].held, b.options[choice].moved, b.options[choice].forward_peak,
+              b.options[choice].backward_peak) for b in prof.blocks],
+            prof.measured[choice]["peak"], prof.turn_peaks[choice])
+
+
+def test_the_offload_runs_share_one_host_pool_and_the_profile_counts_as_before(loopback, monkeypatch):
+    """Each offload run built its own engine and host pool and freed it at remove(): on a GPU,
+    the same host memory pinned once per run, in the run's first step. Now one pool serves every
+    run: the buffers made are those the offload-everything run alone makes (full + offload's
+    block inputs find them), all on the pool's thread from the keep count's sizes (none on
+    demand in a run's step), and every byte the profile reads is what it read before."""
+    import threading
+
+    from actcfg.runtime import offload_pool
+
+    made: list[tuple[int, str]] = []
+    pools: list[offload_pool.HostPool] = []
+    touched, init = offload_pool._touched, offload_pool.HostPool.__init__
+
+    def watched(nbytes):
+        made.append((nbytes, threading.current_thread().name))
+        return touched(nbytes)
+
+    def counted(self, *args, **kwargs):
+        pools.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(offload_pool, "_touched", watched)
+    monkeypatch.setattr(offload_pool.HostPool, "__init__", counted)
+
+    def buffers(choices=None):
+        made.clear()
+        pools.clear()
+        model, x = chain()
+        prof = profile(model, ("Layer",), x, apply=apply, choices=choices)
+        return prof, len(pools), list(made)
+
+    # each offload run alone in its profile: its own pool, as every offload run had before
+    alone = {c: buffers(("keep", "full", c)) for c in ("full_offload", "offload")}
+    prof, n_pools, shared = buffers()
+    assert n_pools == 1 and pools[0]._closed and not pools[0]._free  # one pool, freed at the end
+    assert sorted(n for n, _ in shared) == sorted(n for n, _ in alone["offload"][2])  # no more
+    assert len(shared) < len(alone["offload"][2]) + len(alone["full_offload"][2])
+    assert all(thread.startswith("actcfg-host-pool") for _, thread in shared)
+    assert pools[0].stats.host_buffers_on_demand == 0
+    for c, (own, _, _) in alone.items():  # sharing changed nothing an offload run reads
+        assert _facts(prof, c) == _facts(own, c), c
+    assert [{c: (o.held, o.moved, o.forward_peak, o.backward_peak) for c, o in b.options.items()}
+            for b in prof.blocks] == BEFORE["options"]
+    assert {c: m["peak"] for c, m in prof.measured.items()} == BEFORE["measured_peaks"]
+    assert (prof.plain_peak, prof.outside_peak, prof.largest_storage) == \
+        tuple(BEFORE[k] for k in ("plain_peak", "outside_peak", "largest_storage"))
+    # the plan at the tightest budget, as before: every layer full + offload (bytes decide it)
+    tight = solve(prof, smallest_peak(prof))
+    assert (tight.choices, tight.peak) == (("full_offload",) * 4, 14684168)
+
+
+def test_the_profile_says_where_its_time_went(loopback):
+    """`parts_ms`: every part the profile ran, in the report's order, adding up to profile_ms
+    (`rest` is what no part timed). Times are read, never compared with a number."""
+    model, x = chain(2)
+    prof = profile(model, ("Layer",), x, apply=apply)
+    assert list(prof.parts_ms) == ["counts", *WHOLE, "warm_ups", "host_pool", "rest"]
+    assert all(ms >= 0 for ms in prof.parts_ms.values())
+    assert sum(prof.parts_ms.values()) == pytest.approx(prof.profile_ms)
+    assert all(prof.parts_ms[c] > 0 for c in ("counts", *WHOLE, "warm_ups", "host_pool"))
+    without = profile(model, ("Layer",), x, apply=apply, choices=("keep", "full"))
+    assert list(without.parts_ms) == ["counts", "keep", "full", "warm_ups", "rest"]  # no pool
+
+
 def test_without_an_offload_device_offload_is_no_choice():
     model, x = chain(2)
     prof = profile(model, ("Layer",), x, apply=apply)
@@ -201,6 +297,11 @@ def test_measure_steps_on_the_cpu_times_and_counts_live_bytes():
     # at least what the step saves (2 activations per layer) and the weights' gradients
     assert ms > 0 and peak >= 4 * ONE + 2 * WIDTH * WIDTH * 4
     assert measure_steps(model, x, steps=1, count=False)[1] == 0
+    # `warm`: the profile's unprobed steps follow its probed ones, and run no warm-up of their own
+    calls = int(model.calls)
+    measure_steps(model, x, steps=2, warm=True)
+    measure_steps(model, x, steps=2)
+    assert int(model.calls) - calls == 2 + 3
 
 
 def test_a_plain_step_that_does_not_fit_is_estimated_from_the_checkpointed_one():

@@ -268,9 +268,28 @@ def test_the_report_and_the_cli_json_come_from_the_plan():
         "max_inflight": plan.max_inflight, "kept_at_turn": plan.kept_at_turn,
         "predicted": {"step_time_ms": plan.step_ms, "peak": plan.peak},
         "plain": {"step_time_ms": HAND.plain_step_ms, "peak": HAND.plain_peak},
-        "planning": {"profile_ms": HAND.profile_ms, "compile_ms": HAND.compile_ms, "compiled": None},
+        "planning": {"profile_ms": HAND.profile_ms, "compile_ms": HAND.compile_ms, "compiled": None,
+                     "parts_ms": HAND.parts_ms},
         "plan": "version: 1\n"}
     assert report.to_json()["choices"] == plan.to_json()["blocks"]
+
+
+def test_the_report_says_where_planning_time_went_part_by_part():
+    """The summary line, `actcfg plan` and the callbacks' line say how long the profile took and
+    in which parts (`Profile.parts_ms`), its compiling apart."""
+    import dataclasses
+
+    parts = {"counts": 400.0, "keep": 1100.0, "offload": 2400.0, "warm_ups": 2000.0,
+             "host_pool": 6100.0, "copy_bandwidth": 300.0, "rest": 100.0}
+    prof = dataclasses.replace(HAND, profile_ms=12400.0, parts_ms=parts)
+    report = solve(prof, 60).report(prof, "version: 1\n")
+    assert report.planning() == ("12.4 s (counts 0.4, keep 1.1, offload 2.4, warm-ups 2.0, "
+                                 "host pool 6.1, copy bandwidth 0.3, rest 0.1 s)")
+    assert report.summary().endswith("; planning took " + report.planning() + ")")
+    assert report.plan_json()["planning"]["parts_ms"] == parts
+    compiled = dataclasses.replace(prof, compiled="blocks with inductor", compile_ms=3100.0)
+    assert solve(compiled, 60).report(compiled, "").planning().endswith("rest 0.1 s) + 3.1 s compiling")
+    assert solve(HAND, 60).report(HAND, "").planning() == f"{HAND.profile_ms / 1000:.1f} s"
 
 
 def test_every_choice_is_one_row_of_the_table():

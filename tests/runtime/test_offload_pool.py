@@ -205,6 +205,65 @@ def test_a_spare_behind_a_released_buffer_gives_way_too(no_driver):
     pool.close()
 
 
+def test_engines_in_a_shared_pool_scope_reuse_its_buffers_and_it_is_closed_at_the_end(made_on):
+    """The planner's offload trials run one after another: within `shared_host_pool` the second
+    engine finds every buffer the first made, its stats show the pool it uses, and only the
+    scope's end frees the pool."""
+    with host_loopback():
+        x = torch.randn(WIDTH, requires_grad=True)
+        with offload_pool.shared_host_pool(False, None, register=False) as pool:
+            first = OffloadEngine(pin=False, min_offload_bytes=0, device="cpu")
+            grown = _layers_step(first, x, 8)
+            made, held = len(made_on), grown.pageable_bytes
+            assert first._pool is pool and made == 2 + grown.host_buffers_ahead
+            first.close()
+            assert not pool._closed and pool._free  # given back, buffers and all
+            second = OffloadEngine(pin=False, min_offload_bytes=0, device="cpu")
+            st = _layers_step(second, x, 8)
+            assert second._pool is pool and st.offloaded_tensors == 7
+            assert len(made_on) == made  # nothing made again
+            assert (st.pageable_bytes, st.host_buffers_on_demand) == (held, 2)  # the pool's, carried
+            second.close()
+        assert pool._closed and not pool._free and not pool._pending
+
+
+def test_prepare_makes_every_buffer_asked_ahead_on_the_pool_thread_within_the_budget(no_driver, made_on):
+    """The planner orders the offload run's buffers before the run (`HostPool.prepare`): several
+    of one size are queued, each made in order on the pool's thread; the requests then find them
+    and make nothing; past the budget nothing more is ordered."""
+    stats = OffloadStats()
+    pool = offload_pool.HostPool(True, 6 * ONE, stats)
+    pool.prepare([ONE] * 4 + [2 * ONE] * 2)  # the second 2 * ONE would pass the budget
+    buffers = [pool.acquire(ONE) for _ in range(4)] + [pool.acquire(2 * ONE)]
+    assert all(pinned for _, _, pinned in buffers)
+    _settle(pool)
+    # the last spare of each size taken orders the next, which the budget has no room for
+    assert len(made_on) == 5 and all(t.startswith("actcfg-host-pool") for t in made_on)
+    assert (stats.host_buffers_on_demand, stats.host_buffers_ahead) == (0, 5)
+    assert stats.pinned_bytes == 6 * ONE and stats.pinned_fallbacks == 0
+    assert not pool._pending and not pool._queued  # every queued buffer made
+    pool.close()
+
+
+def test_an_engine_the_shared_pool_does_not_fit_makes_its_own():
+    """Another pin setting, a per-node budget, or a pool another engine holds now: its own pool."""
+    with host_loopback(), offload_pool.shared_host_pool(False, None, register=False) as pool:
+        holder = OffloadEngine(pin=False, device="cpu")
+        at_once = OffloadEngine(pin=False, device="cpu")
+        pinned = OffloadEngine(pin=True, device="cpu")
+        per_node = OffloadEngine(pin=False, pin_budget_per_node=1 << 30, device="cpu")
+        assert holder._pool is pool
+        assert all(e._pool is not pool for e in (at_once, pinned, per_node))
+        for e in (holder, at_once, pinned, per_node):
+            e.close()
+        assert not pool._closed  # engines never close the shared pool
+        after = OffloadEngine(pin=False, device="cpu")
+        assert after._pool is pool  # free again once its holder closed
+        after.close()
+    # outside the scope nothing is lent (never the closed pool)
+    assert offload_pool.borrow_shared_pool(False, None, False, OffloadStats()) is None
+
+
 def test_a_llama_with_checkpoint_and_offload_grows_its_pool_ahead_in_the_first_step_only():
     """Through actcfg.apply, on a small Hugging Face Llama (the issue's model family): each layer
     offloads its input, one size; the first step makes two on demand and the rest ahead."""
