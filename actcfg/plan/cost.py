@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actcfg.plan.model import CHOICE_OF, CHOICE_TABLE, CHOICES, COUNTERPART, BlockProfile, Option, Profile
+from actcfg.plan.model import CHOICE_OF, CHOICE_TABLE, CHOICES, COUNTERPART, OFFLOADS, BlockProfile, Option, Profile
 from actcfg.plan.probe import StepReading
 from actcfg.plan.solve import predict, uniform_copies
 
@@ -117,13 +117,23 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
     # GPT-2 under CPU autocast, after them on a kept last block, over-predicted checkpointed
     # blocks then a kept one by a block's casts).
     read = {c: r.step for c, r in runs.items() if c in hold and (cuda or r.step.memory)}
+    # Within the forward, the turn may also peak after what the blocks left is gone (accelerate
+    # ends autocast's region, then copies the outputs to fp32, all inside the model's forward):
+    # a run's reading there is at most the blocks' left plus a with-left term, and at least any
+    # without-left moment. So the reading less what is held bounds a without-left moment, and
+    # joins the after part: the smallest such reading of the on-device choices (the head does not
+    # depend on the last block's choice), an offload choice's own (its copies meet the head).
+    without = {c: st.turn_forward_peak - before(c, n) for c, st in read.items()}
+    on_device = [w for c, w in without.items() if c not in OFFLOADS]
+    floor = {c: w if c in OFFLOADS or not on_device else min(on_device) for c, w in without.items()}
     turn_peaks = [st.turn_forward_peak - forward_before(c, n) - copies[c][2] for c, st in read.items()] or [0]
-    after_peaks = [st.turn_after_peak - before(c, n) - copies[c][2] for c, st in read.items()] or [0]
+    after_peaks = [max(st.turn_after_peak - before(c, n), floor[c]) - copies[c][2]
+                   for c, st in read.items()] or [0]
     # Per choice of the last block, its run's own turn: the head's start meets the last block's
     # copies, its peak (logits, the loss) need not, so adding both to the largest turn counted
     # a whole block twice (a CPU Llama of 8 layers: +32% over its measured offload run).
     turn_by = {c: max(0, st.turn_forward_peak - forward_before(c, n)) for c, st in read.items()}
-    after_by = {c: max(0, st.turn_after_peak - before(c, n)) for c, st in read.items()}
+    after_by = {c: max(0, st.turn_after_peak - before(c, n), floor[c]) for c, st in read.items()}
     measured = {c: {"step_ms": r.step.step_ms, "peak": r.step.peak} for c, r in runs.items()}
     plain_ms = ref.step.step_ms if not estimated_keep else ref.step.step_ms - sum(
         o["full"].recompute_ms for o in options)

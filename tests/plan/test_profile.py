@@ -328,3 +328,26 @@ def test_a_plain_step_that_does_not_fit_is_estimated_from_the_checkpointed_one()
     assert prof.plain_peak == predict(prof, ("keep", "keep"))[1]
     assert prof.notes[0] == "keep: out of GPU memory in its uniform run; estimated from full"
     assert set(prof.measured) == {"full"}
+
+
+def test_a_turn_that_peaks_after_what_the_blocks_left_is_gone_is_never_under_predicted():
+    """Inside the model's forward the turn may peak after what the blocks left is gone
+    (accelerate ends autocast, then copies the outputs to fp32). Synthetic runs: a with-left
+    moment needing 20 above S + L and a without-left one needing 40 above S; the keep run (L 0)
+    and the full run (L 10) both peak at the second. A plan of a kept block then a checkpointed
+    one (L 5) needs 40 + 40 at the turn: the full run's reading less its left (30) would say
+    75."""
+    from actcfg.plan.cost import Run as _Run, assemble as _assemble
+    from actcfg.plan.probe import StepReading as _Step
+
+    def run(held: int, left: int, forward: list[int], backward: list[int]) -> _Run:
+        turn = held + max(left + 20, 40)
+        return _Run(_Step(n=2, forward_ms=[1.0, 1.0], backward_ms=[2.0, 2.0], forward_peak=forward,
+                          backward_peak=backward, step_ms=10.0, peak=turn, turn_peak=turn,
+                          turn_forward_peak=turn, turn_after_peak=held + 15, memory=True), [0, 0])
+
+    prof = _assemble(["b0", "b1"], {"keep": [30, 30], "full": [10, 10]},
+                     {"keep": run(60, 0, [30, 60], [60, 70]), "full": run(20, 10, [10, 25], [40, 50])},
+                     "cuda", 0.0, 0.0, [], left={"keep": [0, 0], "full": [5, 5]})
+    assert predict(prof, ("keep", "full"))[1] == 30 + 10 + 40
+    assert predict(prof, ("keep", "keep"))[1] == 100 and predict(prof, ("full", "full"))[1] == 60
