@@ -1,7 +1,7 @@
 """The cost model: a `Profile` from the byte counts and the uniform runs the profile measured.
 
 Each block's options (see `actcfg.plan.model.Option`) are the measured peaks less what the blocks
-before it hold, and the recompute and the rest each choice's uniform run took beyond the model
+before it hold (and, in forward, what they left until the turn), and the recompute and the rest each choice's uniform run took beyond the model
 (`actcfg.plan.solve.predict`), spread over its blocks.
 """
 
