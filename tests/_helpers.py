@@ -158,3 +158,27 @@ def readme_snippet(heading: str) -> str:
     text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
     return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def watch_host_pools(monkeypatch: Any) -> tuple[list[tuple[int, str]], list[Any]]:
+    """Record every host buffer the offload pools make (its size and the thread that made it)
+    and every pool built, while `monkeypatch` lasts: (made, pools), filled as they happen."""
+    import threading
+
+    from actcfg.runtime import offload_pool
+
+    made: list[tuple[int, str]] = []
+    pools: list[offload_pool.HostPool] = []
+    touched, init = offload_pool._touched, offload_pool.HostPool.__init__
+
+    def watched(nbytes: int) -> torch.Tensor:
+        made.append((nbytes, threading.current_thread().name))
+        return touched(nbytes)
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> None:
+        pools.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(offload_pool, "_touched", watched)
+    monkeypatch.setattr(offload_pool.HostPool, "__init__", counted)
+    return made, pools

@@ -22,7 +22,7 @@ from actcfg.plan.write import policy_text  # noqa: E402
 from actcfg.probes import blocks  # noqa: E402
 from actcfg.api import apply  # noqa: E402
 from actcfg.policy.schema import Policy  # noqa: E402
-from _helpers import grads_of  # noqa: E402
+from _helpers import grads_of, watch_host_pools  # noqa: E402
 
 pytestmark = [
     pytest.mark.cuda,
@@ -137,24 +137,7 @@ def test_the_offload_runs_share_one_pool_pinned_ahead_and_unpinned_at_the_end(mo
     """Planning time (issue 18): both offload runs use one host pool, its buffers pinned on the
     pool's thread while the runs before them compute (not in the offload run's first step), and
     nothing stays pinned after; the profile says where its time went, copy bandwidth included."""
-    import threading
-
-    from actcfg.runtime import offload_pool
-
-    made: list[tuple[int, str]] = []
-    pools: list[offload_pool.HostPool] = []
-    touched, init = offload_pool._touched, offload_pool.HostPool.__init__
-
-    def watched(nbytes):
-        made.append((nbytes, threading.current_thread().name))
-        return touched(nbytes)
-
-    def counted(self, *args, **kwargs):
-        pools.append(self)
-        init(self, *args, **kwargs)
-
-    monkeypatch.setattr(offload_pool, "_touched", watched)
-    monkeypatch.setattr(offload_pool.HostPool, "__init__", counted)
+    made, pools = watch_host_pools(monkeypatch)
     model, x = small_blocks()
     prof = profile(model, ("Block",), x, apply=apply)
     assert len(pools) == 1 and pools[0]._closed and not pools[0]._registered

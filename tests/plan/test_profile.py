@@ -16,7 +16,7 @@ from actcfg.errors import PlanError, PolicyApplyError
 from actcfg.plan import CHOICES, predict, smallest_peak, solve
 from actcfg.plan.profile import measure_steps, profile, saved_bytes
 from actcfg.api import apply
-from _helpers import Layer
+from _helpers import Layer, watch_host_pools
 
 WHOLE = tuple(c for c in CHOICES if c != "split")  # the choices of a block planned whole (no parts named)
 
@@ -141,24 +141,7 @@ def test_the_offload_runs_share_one_host_pool_and_the_profile_counts_as_before(l
     run: the buffers made are those the offload-everything run alone makes (full + offload's
     block inputs find them), all on the pool's thread from the keep count's sizes (none on
     demand in a run's step), and every byte the profile reads is what it read before."""
-    import threading
-
-    from actcfg.runtime import offload_pool
-
-    made: list[tuple[int, str]] = []
-    pools: list[offload_pool.HostPool] = []
-    touched, init = offload_pool._touched, offload_pool.HostPool.__init__
-
-    def watched(nbytes):
-        made.append((nbytes, threading.current_thread().name))
-        return touched(nbytes)
-
-    def counted(self, *args, **kwargs):
-        pools.append(self)
-        init(self, *args, **kwargs)
-
-    monkeypatch.setattr(offload_pool, "_touched", watched)
-    monkeypatch.setattr(offload_pool.HostPool, "__init__", counted)
+    made, pools = watch_host_pools(monkeypatch)
 
     def buffers(choices=None):
         made.clear()
