@@ -68,9 +68,8 @@ class HostPool:
         self._warned = False
         self._misses: dict[int, int] = {}  # on-demand allocations per size
         self._spares: set[int] = set()  # data_ptrs of prepared buffers no request has taken yet
-        self._pending: dict[int, concurrent.futures.Future[None]] = {}  # size -> spare in preparation
         # size -> every buffer of it ordered and not yet made (`prepare` orders several), in
-        # order; `_pending` holds the first, the one a request of that size waits for
+        # order: the first is the one a request of that size waits for
         self._queued: dict[int, deque[concurrent.futures.Future[None]]] = {}
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
@@ -111,7 +110,7 @@ class HostPool:
                     return entry
                 # A spare that fits is on its way: waiting for the rest of its preparation is
                 # never slower than starting a buffer of our own (and pins nothing twice).
-                coming = next((f for size, f in self._pending.items() if nbytes <= size <= 2 * nbytes), None)
+                coming = next((q[0] for size, q in self._queued.items() if nbytes <= size <= 2 * nbytes), None)
             if coming is None:
                 break
             t0 = time.perf_counter()
@@ -160,7 +159,7 @@ class HostPool:
         """Prepare one buffer of `nbytes` on the background thread, unless one is on its way
         (`more`: even then) or the budget has no room for it (a spare is a guess; it never
         pushes a request past the budget). The caller holds the lock."""
-        if self._closed or (nbytes in self._pending and not more):
+        if self._closed or (nbytes in self._queued and not more):
             return
         pinned = self._pin and not self._pin_failed
         if pinned:
@@ -182,9 +181,8 @@ class HostPool:
         # context on GPU 0 for every rank of a job that does not mask devices.
         device = torch.cuda.current_device() if pinned and torch.cuda.is_available() else None
         # Under the lock: `_prepare` reads the queue only once this call has left it.
-        queue = self._queued.setdefault(nbytes, deque())
-        queue.append(self._worker.submit(self._prepare, nbytes, pinned, device))
-        self._pending[nbytes] = queue[0]
+        self._queued.setdefault(nbytes, deque()).append(
+            self._worker.submit(self._prepare, nbytes, pinned, device))
 
     def _made(self, nbytes: int) -> None:
         """One buffer of `nbytes` ordered is made (or failed): a request of that size now waits
@@ -192,11 +190,8 @@ class HostPool:
         queue = self._queued.get(nbytes)
         if queue:
             queue.popleft()  # this job's own future: the one worker runs them in order
-        if queue:
-            self._pending[nbytes] = queue[0]
-        else:
+        if not queue:
             self._queued.pop(nbytes, None)
-            self._pending.pop(nbytes, None)
 
     def _prepare(self, nbytes: int, pinned: bool, device: int | None) -> None:
         """On the background thread: make a spare and put it in the free list."""
@@ -324,7 +319,6 @@ class HostPool:
             on_worker = threading.current_thread().name.startswith("actcfg-host-pool")
             worker.shutdown(wait=not on_worker, cancel_futures=True)
         with self._lock:
-            self._pending.clear()
             self._queued.clear()
             if not self._registered:
                 self._free.clear()

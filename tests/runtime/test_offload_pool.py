@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from actcfg.runtime import offload, offload_pool
+from actcfg.runtime import offload_pool
 from actcfg.runtime.offload import OffloadEngine, OffloadStats, OffloadWarning, host_loopback
 
 WIDTH = 1 << 14  # floats per layer's saved tensor: 64 KiB
@@ -121,7 +121,7 @@ def no_driver(monkeypatch):
 
 def _settle(pool: offload_pool.HostPool) -> None:
     """Wait for the spares in preparation (their bytes are already counted)."""
-    for future in list(pool._pending.values()):
+    for future in [f for queue in list(pool._queued.values()) for f in list(queue)]:
         future.result()
 
 
@@ -184,7 +184,7 @@ def test_close_stops_the_pool_thread_and_drops_every_buffer(no_driver):
     pool.acquire(ONE)
     pool.acquire(ONE)
     pool.close()
-    assert pool._worker is None and not pool._pending and not pool._free and not pool._registered
+    assert pool._worker is None and not pool._queued and not pool._free and not pool._registered
     assert not any(t.name.startswith("actcfg-host-pool") and t.is_alive() for t in threading.enumerate())
 
 
@@ -224,7 +224,7 @@ def test_engines_in_a_shared_pool_scope_reuse_its_buffers_and_it_is_closed_at_th
             assert len(made_on) == made  # nothing made again
             assert (st.pageable_bytes, st.host_buffers_on_demand) == (held, 2)  # the pool's, carried
             second.close()
-        assert pool._closed and not pool._free and not pool._pending
+        assert pool._closed and not pool._free and not pool._queued
 
 
 def test_prepare_makes_every_buffer_asked_ahead_on_the_pool_thread_within_the_budget(no_driver, made_on):
@@ -241,7 +241,7 @@ def test_prepare_makes_every_buffer_asked_ahead_on_the_pool_thread_within_the_bu
     assert len(made_on) == 5 and all(t.startswith("actcfg-host-pool") for t in made_on)
     assert (stats.host_buffers_on_demand, stats.host_buffers_ahead) == (0, 5)
     assert stats.pinned_bytes == 6 * ONE and stats.pinned_fallbacks == 0
-    assert not pool._pending and not pool._queued  # every queued buffer made
+    assert not pool._queued  # every queued buffer made
     pool.close()
 
 
