@@ -45,7 +45,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from actcfg.runtime.torch_applier import resolve_ops
 from actcfg.runtime.wrap import select_modules
@@ -241,7 +240,7 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
          apply: Apply, meter: Meter, steps: int, pin: bool,
          pin_budget: int | None, taken: Sequence[str], compile: Compile | None = None,
          spent: list[float] | None = None, warmed: _Warmed | None = None,
-         outputs_held: bool = True) -> Run:
+         outputs_held: bool = True, strict: bool = False) -> Run:
     # `taken`: the modules the choice's rule names (the blocks, or their parts for `split`);
     # the probe and the byte counts stay on the blocks either way. Keep too runs as applied (a
     # `mode: none` rule), as the plan will: applying any policy turns a Hugging Face model's
@@ -275,8 +274,11 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
         # discarded step per choice: on an H200 GPT-2 (126 ms plain), ~1 s of a profile. And
         # one unprobed step where the probed ones agreed within SETTLED: the step time has
         # settled, and a second unprobed step would repeat the first within that noise.
+        # Not on several ranks (`strict`): this is each rank's own timing, and ranks that ran
+        # different step counts would pair their sharded collectives wrongly (gloo: "Received
+        # data size doesn't match expected size" in the two-rank test).
         times = [m.step_ms for m in measured]
-        settled = len(times) > 1 and min(times) > 0 and max(times) <= (1 + SETTLED) * min(times)
+        settled = not strict and len(times) > 1 and min(times) > 0 and max(times) <= (1 + SETTLED) * min(times)
         unprobed, _ = measure_steps(model, kwargs if kwargs else tuple(args), loss_fn=loss_fn,
                                     steps=1 if settled else steps, count=meter.memory, warm=True,
                                     outputs_held=outputs_held)
@@ -426,7 +428,7 @@ def profile(
                         with timing.timed(choice, pool):
                             runs[choice] = _run(model, blocks, names, choice, args, kwargs, loss,
                                                 apply, meter, steps, pin, pin_budget, taken(choice),
-                                                compile, spent, warmed, outputs_held)
+                                                compile, spent, warmed, outputs_held, strict)
                     except torch.cuda.OutOfMemoryError:
                         if strict:
                             raise

@@ -183,6 +183,27 @@ def test_the_profile_says_where_its_time_went(loopback):
     assert list(without.parts_ms) == ["counts", "keep", "full", "warm_ups", "rest"]  # no pool
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_one_unprobed_step_where_the_probed_ones_settled_but_never_across_ranks(monkeypatch, strict):
+    """A settled choice times one unprobed step, not `steps`; on several ranks (`strict`) every
+    choice runs them all, since a rank's own timing must not change how many sharded steps (and
+    collectives) it runs."""
+    from actcfg.plan import profile as profiling
+
+    unprobed: list[int] = []
+    real = profiling.measure_steps
+
+    def counted(*args, **kwargs):
+        unprobed.append(kwargs["steps"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(profiling, "measure_steps", counted)
+    monkeypatch.setattr(profiling, "SETTLED", float("inf"))  # every choice's probed steps agree
+    model, x = chain(2)
+    profile(model, ("Layer",), x, apply=apply, choices=("keep", "full"), steps=2, strict=strict)
+    assert unprobed == ([2, 2] if strict else [1, 1])
+
+
 def test_without_an_offload_device_offload_is_no_choice():
     model, x = chain(2)
     prof = profile(model, ("Layer",), x, apply=apply)
