@@ -834,7 +834,8 @@ def bounds(o: Outcome, shape: Shape) -> list[str]:
                  "join the last group" if kept > layer else "")
         out.append(f"* actcfg kept {kept / GiB:.2f} GiB on the GPU at the forward/backward turn, the "
                    f"last group (`keep_last`, default 1){after}. `checkpoint.mode: rules` with "
-                   "`keep_last: 0` offloads it too, at the cost of a copy nothing hides.")
+                   "`keep_last: 0` offloads that layer input, and with the final norm in the rule "
+                   "the norm's too (the keep0 variant): copies nothing hides, after the loss's backward.")
     if r.get("pinned_host") is not None:
         out.append(f"* host memory: {r['pinned_host'] / GiB:.2f} GiB pinned (bounded by "
                    "`pin_budget`; past it, pageable).")
