@@ -240,7 +240,7 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
          apply: Apply, meter: Meter, steps: int, pin: bool,
          pin_budget: int | None, taken: Sequence[str], compile: Compile | None = None,
          spent: list[float] | None = None, warmed: _Warmed | None = None,
-         outputs_held: bool = True, strict: bool = False) -> Run:
+         outputs_held: bool = True, strict: bool = False, warm_up_step: bool = True) -> Run:
     # `taken`: the modules the choice's rule names (the blocks, or their parts for `split`);
     # the probe and the byte counts stay on the blocks either way. Keep too runs as applied (a
     # `mode: none` rule), as the plan will: applying any policy turns a Hugging Face model's
@@ -251,11 +251,12 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
     spent = [] if spent is None else spent
     compiled = compile is not None
     try:
-        # warm-up: pinned pools, allocator, kernels; compiled, until the graphs are all built
+        # warm-up: pinned pools, allocator, kernels; compiled, until the graphs are all built.
+        # Not `warm_up_step` (see `profile`): the runs before warmed what this one runs.
         with _warming(warmed, spent, handle):
             if compiled:
                 spent.append(warm_up(lambda: probe.step(model, args, kwargs, loss_fn, outputs_held)))
-            else:
+            elif warm_up_step:
                 probe.step(model, args, kwargs, loss_fn, outputs_held)
         measured = [probe.step(model, args, kwargs, loss_fn, outputs_held) for _ in range(steps)]
         probe.remove()
@@ -303,6 +304,50 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
     return Run(last, moved)
 
 
+OUTRUN = 1.1
+"""An offload run is left out where its copies alone take this much longer than full_offload's
+measured step on every block (a margin over that step's noise)."""
+
+
+def _offload_outrun(runs: dict[str, Run], sizes: Sequence[Sequence[int]],
+                    bandwidth: tuple[float, float] | None, strict: bool, compiled: bool) -> bool:
+    """True when no plan would choose `offload` for any block, so its run is left out: on every
+    block, offloading what it saves takes longer than full_offload's step, even with the copies
+    wholly hidden behind keep's compute at the measured bandwidth; and full_offload holds no more
+    (the block's input at most, in flight; `offload` every storage it saves, in flight, and
+    reloads a whole block in backward where full_offload recomputes it).
+
+    Each block's floor is keep's forward or the copy of what it saves to the host, whichever is
+    longer, plus keep's backward or the copy back. Against full_offload's measured step once it
+    ran; before (whether to pin the offload run's buffers ahead), against what it cannot
+    exceed: keep's step with its forward once more (a full recompute), its input's copy hidden.
+    The last block offloads nothing (its group stays on the device for backward): keep's
+    memory, no faster than keep.
+
+    Not judged (False) without a measured bandwidth and keep run, on several ranks (each would
+    judge from its own timing, and the ranks must run the same steps: `strict`), nor compiled
+    (the sizes are eager's saved storages, not the graphs'). An H200 GPT-2 (n_embd 1536, batch
+    8 x 1024, bf16): about 700 MB saved per block, 14 ms each way at ~50 GB/s, against a
+    full_offload block of ~13 ms: the offload run was 13 plain steps and its pinning 4-8.5 s.
+    On the blocks stack (d_model 2048) offloading every block ran at 2.9x checkpointing's step."""
+    keep = runs.get("keep")
+    if strict or compiled or bandwidth is None or keep is None or min(bandwidth) <= 0:
+        return False
+    twin = runs.get("full_offload")
+    d2h, h2d = bandwidth
+    k, f = keep.step, twin.step if twin is not None else None
+    for b, per in enumerate(sizes[:-1]):
+        moved = sum(n for n in per if n >= MIN_OFFLOAD_BYTES)
+        if not moved:
+            continue  # keep's memory, no faster than keep
+        floor = max(k.forward_ms[b], moved / (d2h * 1e6)) + max(k.backward_ms[b], moved / (h2d * 1e6))
+        ceiling = f.forward_ms[b] + f.backward_ms[b] if f is not None \
+            else 2 * k.forward_ms[b] + k.backward_ms[b]
+        if floor < OUTRUN * ceiling:
+            return False
+    return True
+
+
 def profile(
     model: nn.Module,
     modules: Sequence[str],
@@ -312,7 +357,7 @@ def profile(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     pin: bool = True,
     pin_budget: int | None = None,
-    steps: int = 2,
+    steps: int = 1,
     choices: Sequence[str] | None = None,
     compile: Compile | None = None,
     submodules: str | Sequence[str] = "none",
@@ -330,7 +375,12 @@ def profile(
     `strict`: a run out of memory ends the profile instead of being left out (a sharded model on
     several ranks, whose steps must match one for one: `actcfg.plan.sharded`). `outputs_held`:
     whether the training loop holds the model's outputs through backward (a Trainer that
-    keeps only the loss does not: see `Probe.step`)."""
+    keeps only the loss does not: see `Probe.step`). `steps`: probed steps per choice, each
+    followed by as many unprobed ones (one where the probed ones settled: `SETTLED`). One by
+    default: a plan should cost no more than 20 plain steps (issue 18), and the memory a probed
+    step reads is the same in the next; its time is the unprobed step's, whose noise on an
+    H200 is about 1%. Without `choices`, the offload run is left out where it cannot be chosen
+    (`_offload_outrun`); choices named are all run."""
     started = time.perf_counter()
     spent: list[float] = []
     compiled = compile is not None
@@ -404,17 +454,16 @@ def profile(
             # would keep that pinned (and counted against pin_budget) for the whole training run.
             pooling = shared_host_pool(pin, pin_budget, register=device.type == "cuda") \
                 if offloading else contextlib.nullcontext()
+            bandwidth: tuple[float, float] | None = None
+            judged = choices is None  # choices named by the caller are all run
             with pooling as pool:
-                if pool is not None and "offload" in wanted and not compiled:
-                    # What the offload run will copy, made on the pool's thread while the runs
-                    # before it compute (their steps wait on the GPU, with the GIL released):
-                    # made in its first step, on demand and as spares, pinning (a few GB/s)
-                    # was most of that step, ahead of every block's copy. The storages each
-                    # block keeps, but the last block's (its group stays on the device) and
-                    # those under the engine's threshold; full + offload's block inputs are
-                    # among them. Compiled, the graphs save other storages: left on demand.
-                    pool.prepare(n for per in sizes[:-1] for n in per if n >= MIN_OFFLOAD_BYTES)
                 for choice in wanted:
+                    if choice == "offload" and judged and "full_offload" in runs \
+                            and _offload_outrun(runs, sizes, bandwidth, strict, compiled):
+                        notes.append(
+                            "offload: not run: on every block its copies alone take longer than the "
+                            "measured step of full_offload, which holds no more; not a choice")
+                        continue
                     warmed = _Warmed()
                     try:
                         # On the host loopback an offload's "host" copies are CPU tensors too, but
@@ -425,10 +474,16 @@ def profile(
                         # below the Python dispatch mode that counts live bytes, so a compiled CPU
                         # run is estimated from its counted bytes (CUDA measures either way).
                         meter = Meter(device, count=not compiled)
+                        # A warm-up step for the first run (kernels, the allocator's segments)
+                        # and the offload runs (the engine learns its groups in its first step,
+                        # and the host pool grows); not for selective, split and full after it:
+                        # the same kernels on the same segments (a recompute is the forward
+                        # again), and the time they report is their unprobed step's anyway.
+                        warm = not runs or CHOICE_OF[choice].offload
                         with timing.timed(choice, pool):
                             runs[choice] = _run(model, blocks, names, choice, args, kwargs, loss,
                                                 apply, meter, steps, pin, pin_budget, taken(choice),
-                                                compile, spent, warmed, outputs_held, strict)
+                                                compile, spent, warmed, outputs_held, strict, warm)
                     except torch.cuda.OutOfMemoryError:
                         if strict:
                             raise
@@ -438,13 +493,31 @@ def profile(
                         gc.collect()
                         torch.cuda.empty_cache()
                     timing.warmed(choice, warmed)
+                    if choice != "keep":
+                        continue
+                    if device.type == "cuda" and offloading:
+                        # Before the runs after keep: whether the offload run is worth its host
+                        # memory is judged from it (`_offload_outrun`).
+                        with timing.timed("copy_bandwidth"):
+                            bandwidth = copy_bandwidth()
+                    if pool is not None and "offload" in wanted and not compiled and not (
+                            judged and "full_offload" in wanted
+                            and _offload_outrun(runs, sizes, bandwidth, strict, compiled)):
+                        # What the offload run will copy, made on the pool's thread while the
+                        # runs between compute (their steps wait on the GPU, with the GIL
+                        # released): made in its first step, on demand and as spares, pinning (a
+                        # few GB/s) was most of that step, ahead of every block's copy. The
+                        # storages each block keeps, but the last block's (its group stays on
+                        # the device) and those under the engine's threshold; full + offload's
+                        # block inputs are among them. Compiled, the graphs save other storages:
+                        # left on demand. Not for an offload run that will be left out: pinning
+                        # what no run copies was most of the host pool's part of a profile (an
+                        # H200 GPT-2: 4-8.5 s of 11.9).
+                        pool.prepare(n for per in sizes[:-1] for n in per if n >= MIN_OFFLOAD_BYTES)
                 closing = time.perf_counter()
             if pool is not None:
                 timing.add("host_pool", (time.perf_counter() - closing) * 1000.0)
-        d2h = h2d = 0.0
-        if device.type == "cuda" and any(c in runs for c in OFFLOADS):
-            with timing.timed("copy_bandwidth"):
-                d2h, h2d = copy_bandwidth()
+        d2h, h2d = bandwidth if bandwidth is not None and any(c in runs for c in OFFLOADS) else (0.0, 0.0)
     for c in OFFLOADS:
         if c in runs and not any(runs[c].moved):
             del runs[c]  # it cannot lower any peak: every block's share is under min_offload_bytes

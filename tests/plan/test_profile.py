@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -202,6 +203,68 @@ def test_one_unprobed_step_where_the_probed_ones_settled_but_never_across_ranks(
     model, x = chain(2)
     profile(model, ("Layer",), x, apply=apply, choices=("keep", "full"), steps=2, strict=strict)
     assert unprobed == ([2, 2] if strict else [1, 1])
+
+
+def test_only_the_first_run_and_the_offload_runs_take_a_warm_up_step(loopback, monkeypatch):
+    """Probed steps per choice (one each by default): a warm-up before the first run and before
+    each offload run (the engine learns its groups in its first step); selective and full run on
+    what keep warmed."""
+    from actcfg.plan import profile as profiling
+
+    probed: list[str] = []
+    real = profiling.Probe.step
+    current = {"choice": ""}
+    real_uniform = profiling._uniform
+
+    def uniform(names, choice, *args, **kwargs):
+        current["choice"] = choice
+        return real_uniform(names, choice, *args, **kwargs)
+
+    def step(self, *args, **kwargs):
+        probed.append(current["choice"])
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(profiling, "_uniform", uniform)
+    monkeypatch.setattr(profiling.Probe, "step", step)
+    model, x = chain(3)
+    prof = profile(model, ("Layer",), x, apply=apply, choices=WHOLE)
+    assert set(prof.choices()) >= {"keep", "full", "full_offload", "offload"}
+    assert {c: probed.count(c) for c in WHOLE} == {
+        "keep": 2, "selective": 1, "full": 1, "full_offload": 2, "offload": 2}
+
+
+def _reading(forward_ms: list[float], backward_ms: list[float]) -> Any:
+    from actcfg.plan.probe import StepReading
+
+    return StepReading(n=len(forward_ms), forward_ms=forward_ms, backward_ms=backward_ms)
+
+
+@pytest.mark.parametrize("strict,compiled", [(False, False), (True, False), (False, True)])
+def test_the_offload_run_is_left_out_only_where_its_copies_outrun_full_offload(strict, compiled):
+    """Three blocks saving 700 MB each (the last offloads nothing: its group stays), keep at 3 +
+    6 ms a block, full_offload at 3 + 9: at 50 GB/s the copies alone take 14 ms each way, 28 ms
+    against 12, so no plan would offload a whole block; at 500 GB/s they hide behind keep's
+    compute and the run is needed. Never judged on several ranks or compiled."""
+    from actcfg.plan.cost import Run
+    from actcfg.plan.profile import OUTRUN, _offload_outrun
+
+    sizes = [[350_000_000, 350_000_000]] * 3
+    keep = Run(_reading([3.0] * 3, [6.0] * 3), [0] * 3)
+    twin = Run(_reading([3.0] * 3, [9.0] * 3), [0] * 3)
+    judged = not strict and not compiled
+    runs = {"keep": keep, "full_offload": twin}
+    assert _offload_outrun(runs, sizes, (50.0, 50.0), strict, compiled) is judged
+    # before full_offload ran: against keep with its forward again (3 + 3 + 6 ms)
+    assert _offload_outrun({"keep": keep}, sizes, (50.0, 50.0), strict, compiled) is judged
+    assert not _offload_outrun(runs, sizes, (500.0, 500.0), strict, compiled)
+    assert not _offload_outrun(runs, sizes, None, strict, compiled)  # no bandwidth measured
+    # one block whose copies would hide: the run is needed for it
+    slow = Run(_reading([3.0, 30.0, 3.0], [6.0, 60.0, 6.0]), [0] * 3)
+    slow_twin = Run(_reading([3.0, 30.0, 3.0], [9.0, 90.0, 9.0]), [0] * 3)
+    assert not _offload_outrun({"keep": slow, "full_offload": slow_twin}, sizes, (50.0, 50.0), strict, compiled)
+    # a margin over full_offload's noise: copies just above its step do not decide
+    edge = 12.0 * (OUTRUN - 0.05) * 50e6 / 2
+    assert not _offload_outrun(runs, [[int(edge)]] * 3, (50.0, 50.0), strict, compiled)
 
 
 def test_without_an_offload_device_offload_is_no_choice():
