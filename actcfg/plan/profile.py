@@ -240,7 +240,7 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
          apply: Apply, meter: Meter, steps: int, pin: bool,
          pin_budget: int | None, taken: Sequence[str], compile: Compile | None = None,
          spent: list[float] | None = None, warmed: _Warmed | None = None,
-         outputs_held: bool = True, strict: bool = False, warm_up_step: bool = True) -> Run:
+         outputs_held: bool = True, strict: bool = False) -> Run:
     # `taken`: the modules the choice's rule names (the blocks, or their parts for `split`);
     # the probe and the byte counts stay on the blocks either way. Keep too runs as applied (a
     # `mode: none` rule), as the plan will: applying any policy turns a Hugging Face model's
@@ -252,11 +252,13 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
     compiled = compile is not None
     try:
         # warm-up: pinned pools, allocator, kernels; compiled, until the graphs are all built.
-        # Not `warm_up_step` (see `profile`): the runs before warmed what this one runs.
+        # Every run, the on-device ones after keep too: without it, one probed step per choice
+        # was that policy's first step, and on an H200 plan_bench's mixed plans then measured
+        # up to 17% off their predicted step time (within 3% with it).
         with _warming(warmed, spent, handle):
             if compiled:
                 spent.append(warm_up(lambda: probe.step(model, args, kwargs, loss_fn, outputs_held)))
-            elif warm_up_step:
+            else:
                 probe.step(model, args, kwargs, loss_fn, outputs_held)
         measured = [probe.step(model, args, kwargs, loss_fn, outputs_held) for _ in range(steps)]
         probe.remove()
@@ -430,6 +432,7 @@ def profile(
             # The counting forwards (one per choice that recomputes, one for selective's saved
             # ops' outputs) stay: a forward without backward is cheap (~1/3 of a step), and the
             # counts are exact where a run's peaks are not (they mix held bytes with transients).
+            inputs: list[list[int]] = [[] for _ in blocks]  # what full keeps: each block's input
             for choice in ("full", "selective", "split"):
                 if choice in wanted:
                     handle = apply(model, _uniform(taken(choice), choice, pin, pin_budget, compile))
@@ -439,7 +442,8 @@ def profile(
                         with _compiling(spent, compiled):
                             held[choice] = saved_bytes(model, blocks, args, kwargs,
                                                        left=None if compiled else left[choice],
-                                                       kept_apart=apart)
+                                                       kept_apart=apart,
+                                                       sizes=inputs if choice == "full" else None)
                     finally:
                         handle.remove()
             # Eager, its inputs (counted above) and its saved ops' outputs, which bypass the
@@ -474,16 +478,10 @@ def profile(
                         # below the Python dispatch mode that counts live bytes, so a compiled CPU
                         # run is estimated from its counted bytes (CUDA measures either way).
                         meter = Meter(device, count=not compiled)
-                        # A warm-up step for the first run (kernels, the allocator's segments)
-                        # and the offload runs (the engine learns its groups in its first step,
-                        # and the host pool grows); not for selective, split and full after it:
-                        # the same kernels on the same segments (a recompute is the forward
-                        # again), and the time they report is their unprobed step's anyway.
-                        warm = not runs or CHOICE_OF[choice].offload
                         with timing.timed(choice, pool):
                             runs[choice] = _run(model, blocks, names, choice, args, kwargs, loss,
                                                 apply, meter, steps, pin, pin_budget, taken(choice),
-                                                compile, spent, warmed, outputs_held, strict, warm)
+                                                compile, spent, warmed, outputs_held, strict)
                     except torch.cuda.OutOfMemoryError:
                         if strict:
                             raise
@@ -500,20 +498,22 @@ def profile(
                         # memory is judged from it (`_offload_outrun`).
                         with timing.timed("copy_bandwidth"):
                             bandwidth = copy_bandwidth()
-                    if pool is not None and "offload" in wanted and not compiled and not (
-                            judged and "full_offload" in wanted
-                            and _offload_outrun(runs, sizes, bandwidth, strict, compiled)):
-                        # What the offload run will copy, made on the pool's thread while the
+                    if pool is not None and not compiled:
+                        # What the offload runs will copy, made on the pool's thread while the
                         # runs between compute (their steps wait on the GPU, with the GIL
-                        # released): made in its first step, on demand and as spares, pinning (a
-                        # few GB/s) was most of that step, ahead of every block's copy. The
+                        # released): made in their first step, on demand and as spares, pinning
+                        # (a few GB/s) was most of that step, ahead of every block's copy. The
                         # storages each block keeps, but the last block's (its group stays on
                         # the device) and those under the engine's threshold; full + offload's
-                        # block inputs are among them. Compiled, the graphs save other storages:
-                        # left on demand. Not for an offload run that will be left out: pinning
-                        # what no run copies was most of the host pool's part of a profile (an
-                        # H200 GPT-2: 4-8.5 s of 11.9).
-                        pool.prepare(n for per in sizes[:-1] for n in per if n >= MIN_OFFLOAD_BYTES)
+                        # block inputs are among them. Only those inputs where the offload run
+                        # will be left out: pinning what no run copies was most of the host
+                        # pool's part of a profile (an H200 GPT-2: 4-8.5 s of 11.9). Compiled,
+                        # the graphs save other storages: left on demand.
+                        outrun = "offload" not in wanted or (
+                            judged and "full_offload" in wanted
+                            and _offload_outrun(runs, sizes, bandwidth, strict, compiled))
+                        copied = inputs if outrun else sizes
+                        pool.prepare(n for per in copied[:-1] for n in per if n >= MIN_OFFLOAD_BYTES)
                 closing = time.perf_counter()
             if pool is not None:
                 timing.add("host_pool", (time.perf_counter() - closing) * 1000.0)
