@@ -3,9 +3,11 @@ effect (what was applied or planned, with the predicted peak and step time), and
 first training step (what was measured: recomputes, bytes offloaded, and on a GPU the step's
 peak above its start, the quantity `memory_budget` bounds).
 
-The peak is the forward and backward of a step above what was allocated when it began, read
-just before the optimizer step: the optimizer's state and its update are outside it, as they
-are outside the planner's profile and `memory_budget`.
+The peak is the forward and backward of a step above what was allocated when it began, less the
+parameter gradients alive then, read just before the optimizer step: the optimizer's state and
+its update are outside it, as they are outside the planner's profile and `memory_budget`; the
+parameter gradients are inside it, also where a step begins with the previous step's (Lightning
+frees them after `training_step`, inside the step; a second `fit` starts with the first's).
 """
 
 from __future__ import annotations
@@ -15,7 +17,17 @@ from typing import Any
 
 from actcfg.units import memory_size
 
-__all__ = ["FirstStepPeak", "applied_line", "measured_line"]
+__all__ = ["FirstStepPeak", "applied_line", "gradient_bytes", "measured_line"]
+
+
+def gradient_bytes(model: Any) -> int:
+    """Bytes of the parameter gradients `model` holds now (each storage once)."""
+    storages = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            storage = getattr(p.grad, "_local_tensor", p.grad).untyped_storage()  # a DTensor's shard
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def applied_line(applied: Any, *, planned_in_s: float | None = None, written: Path | None = None,
@@ -73,8 +85,9 @@ def measured_line(applied: Any, peak: int | None) -> str:
 
 
 class FirstStepPeak:
-    """The first step's GPU memory peak above its start, from its beginning to the optimizer
-    step (None on the CPU). Resets torch's peak statistics once, at that step's start."""
+    """The first step's GPU memory peak above its start less the gradients alive then, from its
+    beginning to the optimizer step (None on the CPU). Resets torch's peak statistics once, at
+    that step's start."""
 
     def __init__(self) -> None:
         self.base: int | None = None
@@ -90,7 +103,7 @@ class FirstStepPeak:
             return
         self._device = device
         torch.cuda.synchronize(device)
-        self.base = torch.cuda.memory_allocated(device)
+        self.base = torch.cuda.memory_allocated(device) - gradient_bytes(model)
         torch.cuda.reset_peak_memory_stats(device)
 
     def stop(self) -> None:
