@@ -17,17 +17,7 @@ from typing import Any
 
 from actcfg.units import memory_size
 
-__all__ = ["FirstStepPeak", "applied_line", "gradient_bytes", "measured_line"]
-
-
-def gradient_bytes(model: Any) -> int:
-    """Bytes of the parameter gradients `model` holds now (each storage once)."""
-    storages = {}
-    for p in model.parameters():
-        if p.grad is not None:
-            storage = getattr(p.grad, "_local_tensor", p.grad).untyped_storage()  # a DTensor's shard
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+__all__ = ["FirstStepPeak", "applied_line", "measured_line"]
 
 
 def applied_line(applied: Any, *, planned_in_s: float | None = None, written: Path | None = None,
@@ -97,6 +87,8 @@ class FirstStepPeak:
     def begin(self, model: Any) -> None:
         """Start (or restart, after planning in the step) measuring at what is allocated now."""
         import torch
+
+        from actcfg.plan.probe import gradient_bytes
 
         device = next((p.device for p in model.parameters()), None)
         if device is None or device.type != "cuda" or self.peak is not None:

@@ -22,7 +22,8 @@ from torch.utils._pytree import tree_flatten
 
 from actcfg.errors import PlanError
 
-__all__ = ["LiveBytes", "Meter", "Probe", "StepReading", "copy_bandwidth", "first_grad_tensor"]
+__all__ = ["LiveBytes", "Meter", "Probe", "StepReading", "copy_bandwidth", "first_grad_tensor",
+           "gradient_bytes"]
 
 
 def first_grad_tensor(value: Any) -> torch.Tensor | None:
@@ -30,6 +31,17 @@ def first_grad_tensor(value: Any) -> torch.Tensor | None:
         if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
             return t
     return None
+
+
+def gradient_bytes(model: nn.Module) -> int:
+    """Bytes of the parameter gradients `model` holds now, each storage once (a DTensor's local
+    shard): what a step that begins with them frees or reuses, read off its start."""
+    storages = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            storage = getattr(p.grad, "_local_tensor", p.grad).untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 # --- clocks and memory: CUDA events and allocator statistics, or wall-clock on the CPU ----------
