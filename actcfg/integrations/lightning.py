@@ -107,9 +107,10 @@ class ActivationPolicy(pl.Callback):
     """Apply an actcfg policy to the LightningModule for `fit`, from fit start to teardown.
 
     `memory_budget` (with `checkpoint.mode: auto`) bounds the GPU memory one training step's
-    forward and backward allocate above what is allocated when the step begins (its
-    activations, their gradients, the parameter gradients): the weights, the optimizer's state
-    and the optimizer step are outside it. The plan is made on the first batch (see the module
+    forward and backward allocate above what is allocated when the step begins, less the
+    parameter gradients alive then (its activations, their gradients, the parameter gradients,
+    the previous step's included: Lightning frees them after `training_step`, so the forward
+    holds them): the weights, the optimizer's state and the optimizer step are outside it. The plan is made on the first batch (see the module
     doc) and written to `trainer.log_dir/actcfg-plan.yaml`; `plan_file=` reuses one without
     profiling.
     """
