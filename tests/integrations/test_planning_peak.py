@@ -245,7 +245,8 @@ def test_lightning_step_peaks_where_its_plan_predicts(tmp_path: Path, precision:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize(("precision", "dtype"), [("32-true", torch.bfloat16), ("bf16-mixed", torch.float32)])
+@pytest.mark.parametrize(("precision", "dtype"), [("32-true", torch.bfloat16), ("bf16-mixed", torch.float32)],
+                         ids=["bf16-weights-32-true", "fp32-weights-bf16-mixed"])
 def test_gpu_lightning_step_peaks_where_its_plan_predicts(tmp_path: Path, precision: str, dtype: torch.dtype):
     """The blocks stack (8 blocks, d_model 1024, batch 4 x 1024) in Lightning's default strategy
     on one GPU, bf16 weights in `32-true` (as benchmarks/trainer_bench.py) and fp32 weights under
