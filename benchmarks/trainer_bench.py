@@ -21,8 +21,10 @@ Workloads (issue 18's targets):
   passes), so the plan row reuses the `lightning` workload's plan file. Rows: plain, full, plan.
 
 Every row measures what `memory_budget` bounds, as the planner and the callbacks do: per step,
-from the step's start (gradients freed) to just before the optimizer step, the GPU memory peak
-above what was allocated at the start, and that time (forward and backward: what a plan
+from the step's start to just before the optimizer step, the GPU memory peak above what was
+allocated at the start less the parameter gradients alive then (the HF Trainer frees them
+before a step; Lightning frees the previous step's after `training_step`, so they live through
+its forward, inside the step: the budget covers them in both), and that time (forward and backward: what a plan
 predicts); the whole step time (with the optimizer step) is reported beside it. Medians over
 --steps steps after --warmup steps (the planning step among the warm-ups); peaks are the largest
 over the measured steps. A plan row reports its planning time (the callback's `plan_seconds`)
@@ -47,6 +49,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from actcfg.plan.probe import gradient_bytes
 
 GiB = 2**30
 LOSS_TOL = 2e-2
@@ -93,10 +97,10 @@ class _Clock:
         if self.cuda:
             torch.cuda.synchronize()
 
-    def begin(self) -> None:
+    def begin(self, model: Any) -> None:
         self._sync()
         if self.cuda:
-            self._base = torch.cuda.memory_allocated()
+            self._base = torch.cuda.memory_allocated() - gradient_bytes(model)
             torch.cuda.reset_peak_memory_stats()
         self._t0 = time.perf_counter()
 
@@ -176,7 +180,7 @@ def hf_rows(args: argparse.Namespace) -> list[Row]:
                 _policy_facts(self.row, self.policy_callback)
 
         def on_step_begin(self, a, state, control, **kw):
-            self.clock.begin()
+            self.clock.begin(kw["model"])
 
         def on_pre_optimizer_step(self, a, state, control, **kw):
             self.clock.before_optimizer()
@@ -265,7 +269,7 @@ def lightning_rows(args: argparse.Namespace, deepspeed: bool, reuse: tuple[Path,
                 _policy_facts(self.row, self.policy_callback)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.clock.begin()
+            self.clock.begin(pl_module)
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             self.clock.before_optimizer()

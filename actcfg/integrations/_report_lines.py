@@ -3,9 +3,11 @@ effect (what was applied or planned, with the predicted peak and step time), and
 first training step (what was measured: recomputes, bytes offloaded, and on a GPU the step's
 peak above its start, the quantity `memory_budget` bounds).
 
-The peak is the forward and backward of a step above what was allocated when it began, read
-just before the optimizer step: the optimizer's state and its update are outside it, as they
-are outside the planner's profile and `memory_budget`.
+The peak is the forward and backward of a step above what was allocated when it began, less the
+parameter gradients alive then, read just before the optimizer step: the optimizer's state and
+its update are outside it, as they are outside the planner's profile and `memory_budget`; the
+parameter gradients are inside it, also where a step begins with the previous step's (Lightning
+frees them after `training_step`, inside the step; a second `fit` starts with the first's).
 """
 
 from __future__ import annotations
@@ -73,8 +75,9 @@ def measured_line(applied: Any, peak: int | None) -> str:
 
 
 class FirstStepPeak:
-    """The first step's GPU memory peak above its start, from its beginning to the optimizer
-    step (None on the CPU). Resets torch's peak statistics once, at that step's start."""
+    """The first step's GPU memory peak above its start less the gradients alive then, from its
+    beginning to the optimizer step (None on the CPU). Resets torch's peak statistics once, at
+    that step's start."""
 
     def __init__(self) -> None:
         self.base: int | None = None
@@ -85,12 +88,14 @@ class FirstStepPeak:
         """Start (or restart, after planning in the step) measuring at what is allocated now."""
         import torch
 
+        from actcfg.plan.probe import gradient_bytes
+
         device = next((p.device for p in model.parameters()), None)
         if device is None or device.type != "cuda" or self.peak is not None:
             return
         self._device = device
         torch.cuda.synchronize(device)
-        self.base = torch.cuda.memory_allocated(device)
+        self.base = torch.cuda.memory_allocated(device) - gradient_bytes(model)
         torch.cuda.reset_peak_memory_stats(device)
 
     def stop(self) -> None:

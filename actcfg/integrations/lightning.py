@@ -27,7 +27,13 @@ The policy is removed in `teardown`, and in `on_exception` (Lightning skips `tea
 `training_step` gets it (on the device), with `training_step` as the step: the profile runs it
 under the precision plugin's `train_step_context` (autocast, as the strategy runs it: entered for
 each call, left before backward) and backward from the loss it returns, with its `self.log` calls sent to a collection thrown away
-after, then applies the plan before Lightning's own first `training_step`. The profile puts back
+after, then applies the plan before Lightning's own first `training_step`. The plan counts the
+step as Lightning runs it: automatic optimization sets the gradients to None after
+`training_step` returns, before backward (`Closure.closure` in Lightning 2.6.6), so from the
+second step on the previous step's gradients live through every forward
+(`Profile.forward_grads`); with `accumulate_grad_batches` > 1, or an `optimizer_zero_grad` of
+your own (it may zero them in place), they are counted through the whole step
+(`Profile.accumulated_grads`). The profile puts back
 gradients, buffers, training mode and the CPU and CUDA RNG state, and touches neither the
 optimizers nor the data, so the run sees what it would have seen with the plan applied at fit
 start. The plan is written to `trainer.log_dir/actcfg-plan.yaml`; `plan_file=` applies such a
@@ -101,9 +107,10 @@ class ActivationPolicy(pl.Callback):
     """Apply an actcfg policy to the LightningModule for `fit`, from fit start to teardown.
 
     `memory_budget` (with `checkpoint.mode: auto`) bounds the GPU memory one training step's
-    forward and backward allocate above what is allocated when the step begins (its
-    activations, their gradients, the parameter gradients): the weights, the optimizer's state
-    and the optimizer step are outside it. The plan is made on the first batch (see the module
+    forward and backward allocate above what is allocated when the step begins, less the
+    parameter gradients alive then (its activations, their gradients, the parameter gradients,
+    the previous step's included: Lightning frees them after `training_step`, so the forward
+    holds them): the weights, the optimizer's state and the optimizer step are outside it. The plan is made on the first batch (see the module
     doc) and written to `trainer.log_dir/actcfg-plan.yaml`; `plan_file=` reuses one without
     profiling.
     """
@@ -199,7 +206,8 @@ class ActivationPolicy(pl.Callback):
             view = _TrainingStepView(pl_module, trainer.precision_plugin.train_step_context)
             with _logs_thrown_away(trainer, pl_module):
                 planned = plan_model(view, self.policy, (batch, batch_idx), loss_fn=step_loss,
-                                     apply=apply)
+                                     apply=apply, grads_through_forward=True,
+                                     accumulating=_gradients_through_step(trainer, pl_module))
             self.applied = apply(pl_module, planned.policy, backend=Backend.TORCH)
             self.applied.set_plan(planned.report)
             took = self.plan_seconds = time.perf_counter() - began
@@ -247,6 +255,14 @@ class ActivationPolicy(pl.Callback):
         applied, self.applied = self.applied, None
         if applied is not None:
             applied.remove()
+
+
+def _gradients_through_step(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+    """Whether a step's parameter gradients may live through its backward too: a later
+    micro-batch of `accumulate_grad_batches` starts with them and is not zeroed, and an
+    overridden `optimizer_zero_grad` may zero in place (`set_to_none=False`), keeping them."""
+    own_zero_grad = type(pl_module).optimizer_zero_grad is not pl.LightningModule.optimizer_zero_grad
+    return trainer.accumulate_grad_batches > 1 or own_zero_grad
 
 
 def step_loss(output: Any) -> Any:

@@ -56,7 +56,8 @@ class Planned:
 
 
 def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, apply: Apply,
-               origin: str = "", outputs_held: bool = True, accumulating: bool = False) -> Planned:
+               origin: str = "", outputs_held: bool = True, accumulating: bool = False,
+               grads_through_forward: bool = False) -> Planned:
     """Profile `model` on `inputs`, solve for `policy.memory_budget`, and return the plan as a
     `checkpoint.mode: rules` policy with the report of what was planned. `apply` is
     the runtime's applier of a concrete policy (passed in by `actcfg.api`); `origin` names the
@@ -73,7 +74,10 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
     What the training loop does around the model, as the profile cannot see it: `outputs_held`,
     whether it holds the model's outputs through backward (`Probe.step`); `accumulating`,
     whether it accumulates gradients over micro-batches, so that a later one starts with every
-    parameter gradient (`Profile.accumulated_grads`)."""
+    parameter gradient (`Profile.accumulated_grads`); `grads_through_forward`, whether the
+    previous step's gradients live through the forward and are set to None before backward, as
+    Lightning's automatic optimization does (`Profile.forward_grads`; under `accumulating` they
+    are counted everywhere already)."""
     from actcfg.errors import ActcfgError, PlanError
     from actcfg.plan.consensus import agree, group_of_ranks, one_profile, settle
     from actcfg.plan.profile import profile as run_profile
@@ -119,9 +123,14 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
     settle(None, group, where=WHILE_PROFILING)
     profiled = one_profile(local)  # the identity without a process group
     # How long this rank's profile took, and how it was compiled, are this rank's own readings.
+    grads = _gradient_bytes(model) if accumulating or grads_through_forward else 0
     profiled = dataclasses.replace(profiled, compiled=local.compiled, profile_ms=local.profile_ms,
                                    compile_ms=local.compile_ms, parts_ms=local.parts_ms,
-                                   accumulated_grads=_gradient_bytes(model) if accumulating else 0)
+                                   accumulated_grads=grads if accumulating else 0,
+                                   forward_grads=0 if accumulating else grads)
+    if profiled.forward_grads:  # plain's peak as the plan's, with them (a uniform run: exact)
+        profiled = dataclasses.replace(
+            profiled, plain_peak=predict(profiled, ("keep",) * len(profiled.blocks))[1])
     plan = solve(profiled, policy.memory_budget)
     planned = plan_policy(plan, policy)
     text = policy_yaml(planned, plan, profiled, origin=origin)

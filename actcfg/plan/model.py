@@ -149,6 +149,9 @@ class Profile:
     outside_peak: int = 0
     """Peak of what runs before the first block and after the last backward mark (an
     embedding's forward and backward, the parameter gradients at the end): no choice moves it."""
+    head_peak: int = 0
+    """The part of `outside_peak` before the first block, inside the model's forward (what
+    `forward_grads` meets)."""
     d2h_gbps: float = 0.0
     """Copy bandwidth to the host, pinned, GB/s (0: offload not profiled)."""
     h2d_gbps: float = 0.0
@@ -174,6 +177,15 @@ class Profile:
     every peak, as that micro-batch's forward and turn meet all of them (its backward meets
     those the first one's had made by then too, so there it is an upper bound). 0: every step
     starts without gradients."""
+    forward_grads: int = 0
+    """Bytes of the previous step's parameter gradients that live through a step's forward and
+    are freed before its backward (Lightning's automatic optimization sets them to None after
+    `training_step` returns): added to every term until the model's forward returns (each
+    block's forward, the head, the turn's part inside the forward), not to backward's, where
+    the profile measured the new gradients as they are made. A step's memory is read above its
+    start less these gradients, so that the parameter gradients are inside `memory_budget` in
+    every trainer. 0: the gradients are freed before the step starts (or under
+    `accumulated_grads`, which counts them everywhere)."""
     window_storages: int = 0
     """The engine's copy window, in `largest_storage`s, per `max_inflight` in forward (copies in
     flight) and per prefetch in backward (reloads ahead of their use): the engine copies storage

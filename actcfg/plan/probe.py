@@ -22,7 +22,8 @@ from torch.utils._pytree import tree_flatten
 
 from actcfg.errors import PlanError
 
-__all__ = ["LiveBytes", "Meter", "Probe", "StepReading", "copy_bandwidth", "first_grad_tensor"]
+__all__ = ["LiveBytes", "Meter", "Probe", "StepReading", "copy_bandwidth", "first_grad_tensor",
+           "gradient_bytes"]
 
 
 def first_grad_tensor(value: Any) -> torch.Tensor | None:
@@ -30,6 +31,17 @@ def first_grad_tensor(value: Any) -> torch.Tensor | None:
         if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
             return t
     return None
+
+
+def gradient_bytes(model: nn.Module) -> int:
+    """Bytes of the parameter gradients `model` holds now, each storage once (a DTensor's local
+    shard): what a step that begins with them frees or reuses, read off its start."""
+    storages = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            storage = getattr(p.grad, "_local_tensor", p.grad).untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 # --- clocks and memory: CUDA events and allocator statistics, or wall-clock on the CPU ----------
@@ -40,7 +52,8 @@ class LiveBytes:
     create while it is started, each counted until it is freed (its weak reference expires).
     Frees are seen at the next op, so a peak is read where an allocator's would be: after an
     op's outputs exist, before its inputs can go. Storages made before `start` are not counted
-    (as `memory_allocated() - base` leaves them out)."""
+    (as `memory_allocated() - base` leaves them out); those of `start(held=...)` are the base
+    too, and their frees count, down below 0, as they lower `memory_allocated()` below a base."""
 
     def __init__(self) -> None:
         from torch.multiprocessing.reductions import StorageWeakRef
@@ -99,10 +112,18 @@ class LiveBytes:
         for key in gone:
             self.now -= self._live.pop(key)[1]
 
-    def start(self) -> None:
+    def start(self, held: Sequence[torch.Tensor] = ()) -> None:
+        """Count from now; `held`: tensors alive now that the counted span may free (the
+        previous step's gradients, which Lightning sets to None inside a step)."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+
         self.stop()
         self._live.clear()
         self.now = self.peak = 0
+        for t in held:
+            storage = t.untyped_storage()
+            if storage.nbytes():  # in the base (now stays 0): only its free is counted
+                self._live[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
         self._mode = self._make()
         self._mode.__enter__()
 
@@ -200,6 +221,8 @@ class StepReading:
     """The turn's peak after the model's forward returned (the loss outside it, the start of
     backward): what the blocks left until the forward's end (`Option.left`) is gone by then."""
     outside_peak: int = 0
+    head_peak: int = 0
+    """The part of `outside_peak` before the first block (inside the model's forward)."""
     forward_after_ms: float = 0.0
     backward_before_ms: float = 0.0
     memory: bool = False
@@ -359,6 +382,7 @@ class Probe:
             turn_forward_peak=self.turn_forward_peak,
             turn_after_peak=self.turn_peak,
             outside_peak=max(self.head_peak, tail),
+            head_peak=self.head_peak,
             forward_after_ms=meter.ms(self.fwd_end[last], after),
             backward_before_ms=meter.ms(backward, self.bwd_start[last]),
             memory=meter.memory,

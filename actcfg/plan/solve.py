@@ -11,7 +11,9 @@ the sum of their `held`; M_b: bytes block b copies each way; d_b, h_b: those cop
   its backward (S_b + reloads ahead of their use + `backward_peak`), and the turn (S_n + L_n +
   the turn the profile measured with the last block's choice, `turn_peaks`, + block n-2's copy
   if still in flight); under gradient accumulation, plus the gradients a later micro-batch
-  starts with (`accumulated_grads`). The copies follow the engine's schedule: every offloaded block but the
+  starts with (`accumulated_grads`); where the previous step's gradients live until its
+  backward (Lightning), plus those in every forward term, the head and the turn's part inside
+  the forward (`forward_grads`). The copies follow the engine's schedule: every offloaded block but the
   last leaves storage by storage, at most W = `window_storages` x `largest_storage` x
   `max_inflight` bytes in flight; the last offloaded block (the group that stays for backward)
   holds its storages to its end (its forward peaks as its on-device twin's) and leaves whole,
@@ -154,6 +156,11 @@ class _Terms:
         self.largest = profile.largest_storage if profile.window_storages else 0
         self.back_window = profile.window_storages * self.largest
         self.window = max_inflight * self.back_window
+        # The previous step's gradients, alive until the forward returns (Lightning), and what
+        # runs outside the blocks with them: the head meets them, the tail does not.
+        self.grads = profile.forward_grads
+        self.outside = max(profile.outside_peak, profile.head_peak + self.grads) if self.grads \
+            else profile.outside_peak
 
     def opt(self, b: int, c: str) -> Any:
         return self.p.blocks[b].options[_base(c)]
@@ -229,7 +236,7 @@ class _Terms:
     def need(self, b: int, p2: str | None, p1: str | None, c: str) -> tuple[int, int]:
         """Bytes block b needs in its forward above S + L (what the blocks before it hold and
         left) and in its backward above S (what they left is gone by then)."""
-        forward = self.inflight(b, p2, p1, c) + self.forward_peak(b, c)
+        forward = self.inflight(b, p2, p1, c) + self.forward_peak(b, c) + self.grads
         backward = self.reload_ahead(b, p1, c) + self.opt(b, c).backward_peak
         return forward, backward
 
@@ -241,14 +248,16 @@ class _Terms:
         left until the forward's end: where the profile measured a turn for the last block's
         choice, that turn and the copies of block n-2 still in flight beside it
         (`turn_copies(..., own=False)`); else the largest turn with the copies. The turn is
-        the larger of its part until the model's forward returns (with `left`) and after."""
+        the larger of its part until the model's forward returns (with `left` and the previous
+        step's gradients, `forward_grads`) and after."""
         base = _base(p1) if p1 is not None else None
         measured = self.p.turn_peaks.get(base) if base is not None else None
         after = self.p.after_turn_peaks.get(base, self.p.after_turn_peak) if base is not None \
             else self.p.after_turn_peak
         if measured is None:
-            return self.turn_copies(p2, p1) + max(left + self.p.turn_peak, self.p.after_turn_peak)
-        return self.turn_copies(p2, p1, own=False) + max(left + measured, after)
+            return self.turn_copies(p2, p1) + max(left + self.grads + self.p.turn_peak,
+                                                  self.p.after_turn_peak)
+        return self.turn_copies(p2, p1, own=False) + max(left + self.grads + measured, after)
 
     def turn_copies(self, p2: str | None, p1: str | None, own: bool = True) -> int:
         """Copies on the device at the turn: in flight, or, with the engine's window, the larger
@@ -338,7 +347,7 @@ def predict(profile: Profile, choices: tuple[str, ...] | list[str], max_inflight
         p2, p1 = p1, c
     if t.n:
         step += t.exposed(t.n - 1, p1, None)
-    peak = max(peak, held + t.turn(p2, p1, left), profile.outside_peak)
+    peak = max(peak, held + t.turn(p2, p1, left), t.outside)
     return step, peak + profile.accumulated_grads
 
 
@@ -394,7 +403,7 @@ def _fastest(profile: Profile, budget: int, max_inflight: int,
              choices: tuple[str, ...]) -> tuple[float, int, tuple[str, ...]] | None:
     """(time, bytes copied, choices) of the fastest plan within `budget`, or None."""
     t = _Terms(profile, max_inflight)
-    if profile.outside_peak > budget:
+    if t.outside > budget:
         return None
     grain = max(1.0, budget / MAX_FRONT)
     # state: (choice of block b-2, of block b-1, phase; see `_Terms.labelled`)
@@ -467,7 +476,7 @@ def lowest_plan(profile: Profile, max_inflight: int = 1) -> tuple[int, tuple[str
     peak, picked = min(((max(pk, s + t.turn(p2, p1, lf)), cs)
                         for (p2, p1, phase), v in fronts.items() if phase != 1
                         for s, lf, pk, cs in v), key=lambda e: e[0])
-    return max(profile.outside_peak, peak) + profile.accumulated_grads, picked
+    return max(t.outside, peak) + profile.accumulated_grads, picked
 
 
 def smallest_peak(profile: Profile, max_inflight: int = 1) -> int:

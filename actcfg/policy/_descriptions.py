@@ -41,6 +41,6 @@ DESCRIPTIONS: dict[str, str] = {
     'Policy.num_checkpoints': 'DeepSpeed only: checkpointed calls per step, sizing the contiguous buffers\n(DeepSpeed `number_checkpoints`); unset with `mode: full`: the number of routed modules.',
     'Policy.synchronize': 'DeepSpeed only: synchronize the device at every checkpoint boundary\n(DeepSpeed `synchronize_checkpoint_boundary`); for debugging and timing.',
     'Policy.profile': 'DeepSpeed only: time checkpoint forward and backward passes (DeepSpeed `profile`).',
-    'Policy.memory_budget': "torch only, with `checkpoint.mode: auto`: the most GPU memory one training step may\nallocate above what is allocated when it begins (activations, their gradients and the\nstep's parameter gradients), in bytes or a human size (`40GiB`); the plan keeps its peak\nwithin it.",
+    'Policy.memory_budget': "torch only, with `checkpoint.mode: auto`: the most GPU memory one training step may\nallocate above what is allocated when it begins, less the parameter gradients alive then\n(activations, their gradients and the parameter gradients, also the previous step's where\nthe step still holds them, as Lightning does until backward), in bytes or a human size\n(`40GiB`); the plan keeps its peak within it.",
     'Policy.compile': 'torch only, with `checkpoint.mode: auto` or `rules`: the model runs under torch.compile\n(`{scope: blocks|model, backend: inductor}`): the plan is profiled compiled, and\n`actcfg.apply` compiles after applying the rules. Unset: eager, and actcfg compiles nothing.',
 }

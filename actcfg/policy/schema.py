@@ -595,9 +595,10 @@ class Policy(_Strict):
 
     memory_budget: PositiveSize | None = Field(None, description=_DOC["Policy.memory_budget"])
     """torch only, with `checkpoint.mode: auto`: the most GPU memory one training step may
-    allocate above what is allocated when it begins (activations, their gradients and the
-    step's parameter gradients), in bytes or a human size (`40GiB`); the plan keeps its peak
-    within it."""
+    allocate above what is allocated when it begins, less the parameter gradients alive then
+    (activations, their gradients and the parameter gradients, also the previous step's where
+    the step still holds them, as Lightning does until backward), in bytes or a human size
+    (`40GiB`); the plan keeps its peak within it."""
 
     compile: Compile | None = Field(None, description=_DOC["Policy.compile"])
     """torch only, with `checkpoint.mode: auto` or `rules`: the model runs under torch.compile

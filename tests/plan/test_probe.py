@@ -47,3 +47,21 @@ def test_a_step_of_linears_holds_its_saved_activations_not_its_weights():
     # by the second Linear), the second's output
     assert held == 2 * act, held / act
     del out
+
+
+def test_storages_held_at_start_are_the_base_and_their_frees_count():
+    # As `memory_allocated() - base` on a GPU: a gradient alive at the start (Lightning's
+    # previous step's) is in the base, and its free lowers what is counted below 0.
+    grad = torch.ones(1000)  # 4000 bytes
+    live = LiveBytes()
+    live.start(held=[grad, grad.view(10, 100)])  # a view is the same storage, counted once
+    try:
+        del grad
+        small = torch.zeros(250)  # 1000 bytes, after the 4000 went
+        low = live.now
+        large = torch.zeros(2000)  # 8000 bytes
+    finally:
+        live.stop()
+    assert low == 1000 - 4000
+    assert live.peak == 1000 - 4000 + 8000  # without `held`: 9000
+    del small, large

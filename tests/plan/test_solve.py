@@ -400,3 +400,21 @@ def test_gradients_a_later_micro_batch_starts_with_are_on_top_of_every_peak():
     plan = solve(accumulating, 25)
     assert plan.choices == solve(HAND, 20).choices and plan.peak <= 25
     assert smallest_peak(accumulating) == smallest_peak(HAND) + 5
+
+
+def test_gradients_alive_through_the_forward_meet_its_terms_not_backward():
+    # Lightning frees the previous step's gradients after training_step, before backward.
+    grads = dataclasses.replace(HAND, forward_grads=5)
+    assert predict(grads, ("keep",) * 3)[1] == 38  # the turn, inside the forward: 30 + 3 + 5
+    assert predict(grads, ("full",) * 3)[1] == 17  # block 2's forward: 2 + 10 + 5
+    # a stack whose backward peaks: block 2's 2 + 20 above its forward's 2 + 2 + 5 and the turn's 3 + 3 + 5
+    late = _profile([{"keep": Option(held=1, forward_peak=2, backward_peak=20)}] * 3)
+    assert predict(dataclasses.replace(late, forward_grads=5), ("keep",) * 3) == predict(late, ("keep",) * 3)
+    # the head (before the first block) meets them, the tail (after the last backward) does not
+    outside = dataclasses.replace(grads, outside_peak=40, head_peak=36)
+    assert predict(outside, ("keep",) * 3)[1] == 41
+    assert predict(dataclasses.replace(outside, head_peak=30), ("keep",) * 3)[1] == 40
+    for budget in range(17, 40):
+        plan = solve(grads, budget)
+        assert plan.peak == predict(grads, plan.choices)[1] <= budget
+    assert smallest_peak(grads) == 17
