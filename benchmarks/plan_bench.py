@@ -319,6 +319,7 @@ def bench(w: Workload, args: argparse.Namespace, bw: tuple[float, float]) -> tup
     print(f"{w.name}: uniform predicted peak / measured - 1: "
           + ", ".join(f"{c} {e:+.1%}" for c, e in peak_error.items()), flush=True)
     meta = {"profile_s": profile_s, "total_s": time.perf_counter() - t0, "blocks": [b.name for b in prof.blocks],
+            "profiled_choices": list(prof.choices()), "profile_notes": list(prof.notes),
             "profile": prof.to_json(), "copy_windows": prof.copy_windows(),
             "predicted_uniform_ms": predicted_uniform, "uniform_peak_error": peak_error}
     del model
@@ -461,8 +462,11 @@ def render(meta: dict, rows: list[Row], workloads: list[str]) -> str:
     out += ["", "Targets:", "", *targets(rows, workloads), ""]
     for w in workloads:
         m = meta["workloads"][w]
-        out.append(f"{w}: profiled in {m['profile_s']:.1f} s (five uniform runs of three steps each, "
-                   f"and three counting forwards); whole workload {m['total_s']:.0f} s.")
+        ran = m.get("profiled_choices") or []
+        left = [n.split(":")[0] for n in m.get("profile_notes", []) if "not run" in n]
+        out.append(f"{w}: profiled in {m['profile_s']:.1f} s ({len(ran)} uniform runs: {', '.join(ran)}; "
+                   "each a warm-up, one probed and one unprobed step; and the counting forwards"
+                   + (f"; left out: {', '.join(left)}" if left else "") + f"); whole workload {m['total_s']:.0f} s.")
     return "\n".join(out) + "\n"
 
 
