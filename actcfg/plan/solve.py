@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
 
 from dataclasses import dataclass
 from operator import itemgetter
@@ -83,6 +84,8 @@ class Plan:
     taken: tuple[tuple[str, ...], ...] = ()
     """Per block, the modules its rule takes: the block, or its parts for `split` (empty: every
     block itself, as in a plan over whole blocks)."""
+    solve_ms: float = 0.0
+    """Wall time `solve` took to choose it (on the host, after the profile)."""
 
     def modules(self) -> tuple[str, ...]:
         """Every module the plan's rules take, in block order."""
@@ -113,6 +116,7 @@ class Plan:
             profile_ms=profile.profile_ms,
             compile_ms=profile.compile_ms,
             parts_ms=dict(profile.parts_ms),
+            solve_ms=self.solve_ms,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -552,6 +556,7 @@ def solve(profile: Profile, budget: int, *, max_inflight: tuple[int, ...] = (1, 
     """The fastest plan whose predicted peak fits `budget` (bytes); PlanError, with the smallest
     peak any choice reaches, when none does. `max_inflight` 2 is tried only where a block can
     offload; the faster wins, 1 on a tie (it holds less)."""
+    started = time.perf_counter()
     choices = profile.choices()
     if not profile.blocks:
         raise PlanError("the profile has no candidate module to plan for", smallest_peak=None)
@@ -591,4 +596,5 @@ def solve(profile: Profile, budget: int, *, max_inflight: tuple[int, ...] = (1, 
     _, _, m, picked = found
     step, peak = predict(profile, picked, m)
     return Plan(tuple(b.name for b in profile.blocks), picked, m, step, peak, budget,
-                tuple(b.taken(c) for b, c in zip(profile.blocks, picked)))
+                tuple(b.taken(c) for b, c in zip(profile.blocks, picked)),
+                solve_ms=(time.perf_counter() - started) * 1000.0)
