@@ -134,11 +134,18 @@ plan's choices."""
 
 
 def _base(c: str | None) -> str | None:
-    return c[:-len(LAST)] if c is not None and c.endswith(LAST) else c
+    try:
+        return _BASES[c]
+    except KeyError:
+        base = _BASES[c] = c[:-len(LAST)] if c is not None and c.endswith(LAST) else c
+        return base
 
 
 def _last(c: str | None) -> bool:
     return c is not None and c.endswith(LAST)
+
+
+_BASES: dict[str | None, str | None] = {}  # label -> choice: the solver asks for it per term
 
 
 def _labels(choices: tuple[str, ...] | list[str]) -> list[str]:
@@ -164,6 +171,10 @@ class _Terms:
         self.largest = profile.largest_storage if profile.window_storages else 0
         self.back_window = profile.window_storages * self.largest
         self.window = max_inflight * self.back_window
+        # The dynamic program asks for the same terms from every phase and every search
+        # (`solve`'s coarse one, then the exact one): each is worked out once.
+        self._needs: dict[tuple[int, str | None, str | None, str], tuple[int, int]] = {}
+        self._exposed: dict[tuple[int, str, str | None], float] = {}
 
     def opt(self, b: int, c: str) -> Any:
         return self.p.blocks[b].options[_base(c)]
@@ -239,9 +250,13 @@ class _Terms:
     def need(self, b: int, p2: str | None, p1: str | None, c: str) -> tuple[int, int]:
         """Bytes block b needs in its forward above S + L (what the blocks before it hold and
         left) and in its backward above S (what they left is gone by then)."""
-        forward = self.inflight(b, p2, p1, c) + self.forward_peak(b, c)
-        backward = self.reload_ahead(b, p1, c) + self.opt(b, c).backward_peak
-        return forward, backward
+        key = (b, p2, p1, c)
+        known = self._needs.get(key)
+        if known is None:
+            forward = self.inflight(b, p2, p1, c) + self.forward_peak(b, c)
+            backward = self.reload_ahead(b, p1, c) + self.opt(b, c).backward_peak
+            known = self._needs[key] = (forward, backward)
+        return known
 
     def left(self, b: int, c: str) -> int:
         return self.opt(b, c).left
@@ -277,6 +292,13 @@ class _Terms:
         """Copy time of block b (choice c) that nothing hides, given the next block's choice."""
         if not self.offloads(c):
             return 0.0
+        key = (b, c, after)
+        known = self._exposed.get(key)
+        if known is None:
+            known = self._exposed[key] = self._exposed_time(b, c, after)
+        return known
+
+    def _exposed_time(self, b: int, c: str, after: str | None) -> float:
         n = self.n
         if b + 1 < n:
             f1 = self.f[b + 1]
@@ -440,13 +462,13 @@ class _Reach:
         return cls(held, held_left, least_ms)
 
 
-def _fastest(profile: Profile, budget: int, max_inflight: int, choices: tuple[str, ...],
-             within: float = math.inf, most: int = MAX_FRONT) -> tuple[float, int, tuple[str, ...]] | None:
+def _fastest(t: _Terms, budget: int, choices: tuple[str, ...], within: float = math.inf,
+             most: int = MAX_FRONT) -> tuple[float, int, tuple[str, ...]] | None:
     """(time, bytes copied, choices) of the fastest plan within `budget` whose time is at most
     `within` (a plan known to fit: entries that cannot finish as fast are dropped), or None.
     `most`: the largest front kept (see `MAX_FRONT`); a small one gives a fast plan quickly,
     not the fastest."""
-    t = _Terms(profile, max_inflight)
+    profile = t.p
     if profile.outside_peak > budget:
         return None
     grain = max(1.0, budget / most)
@@ -568,12 +590,13 @@ def solve(profile: Profile, budget: int, *, max_inflight: tuple[int, ...] = (1, 
     # The fastest uniform plan that fits, and then the best plan found, bound each search: a
     # plan slower than one already known is never taken (only the searches' work changes).
     within = min((step for step, peak in uniforms.values() if peak <= budget), default=math.inf)
-    sketch = _fastest(profile, mixed_budget - profile.accumulated_grads, tries[0], choices, within, SKETCH)
+    terms = {m: _Terms(profile, m) for m in tries}
+    # the gradients a later micro-batch starts with come on top of every term
+    sketch = _fastest(terms[tries[0]], mixed_budget - profile.accumulated_grads, choices, within, SKETCH)
     if sketch is not None:
         within = min(within, sketch[0])
     for m in tries:
-        # the gradients a later micro-batch starts with come on top of every term
-        got = _fastest(profile, mixed_budget - profile.accumulated_grads, m, choices,
+        got = _fastest(terms[m], mixed_budget - profile.accumulated_grads, choices,
                        within if found is None else min(within, found[0]))
         if got is not None and (found is None or (got[0], got[1], m) < found[:3]):
             found = (got[0], got[1], m, got[2])
