@@ -33,7 +33,11 @@ Every term depends on a block and its neighbours only, so an exact dynamic progr
 blocks finds the optimum: states are the last two choices, each holding the Pareto front of
 (bytes held so far, bytes left until the turn so far, time so far); a front larger than `MAX_FRONT` is thinned to the fastest
 entry per 1/MAX_FRONT of the budget, which keeps every plan within the budget (bytes are never
-rounded) but may miss the optimum by that grain. Ties go to fewer bytes copied: an offload
+rounded) but may miss the optimum by that grain. Entries that cannot lead to the plan chosen
+are dropped before the fronts are built (`_Reach`): those that some later block or the turn
+cannot fit whatever the later blocks choose, and those that cannot finish as fast as a plan
+already known to fit (the fastest uniform plan, a coarse search's plan, `max_inflight` 1's
+optimum when 2 is tried). Ties go to fewer bytes copied: an offload
 costs at least its on-device twin (the profile clamps it so), so a plan offloads a block only
 where the twin would not fit, that is, where the offload lowers the peak.
 """
