@@ -416,7 +416,8 @@ def _dominant(entries: list[tuple[Any, ...]], width: int) -> list[tuple[Any, ...
     return front
 
 
-def _prune(entries: list[tuple[Any, ...]], grain: float, most: int = MAX_FRONT) -> list[tuple[Any, ...]]:
+def _prune(entries: list[tuple[Any, ...]], grain: float,
+           most: int = MAX_FRONT) -> list[tuple[Any, ...]]:
     """The Pareto front of (held, left, (time, bytes)); thinned to one entry per `grain` of
     held bytes when larger than `most`."""
     front = _dominant(entries, 2)
@@ -596,7 +597,8 @@ def solve(profile: Profile, budget: int, *, max_inflight: tuple[int, ...] = (1, 
     within = min((step for step, peak in uniforms.values() if peak <= budget), default=math.inf)
     terms = {m: _Terms(profile, m) for m in tries}
     # the gradients a later micro-batch starts with come on top of every term
-    sketch = _fastest(terms[tries[0]], mixed_budget - profile.accumulated_grads, choices, within, SKETCH)
+    sketch = _fastest(terms[tries[0]], mixed_budget - profile.accumulated_grads, choices, within,
+                      SKETCH)
     if sketch is not None:
         within = min(within, sketch[0])
     for m in tries:
