@@ -2,16 +2,20 @@
 fast as a plan already known, is dropped before the Pareto fronts are built. Held to the solver
 as it was (`tests/_solve_before.py`, a frozen copy): the same plans, the same predicted step time
 and peak, the same refusal, on random profiles with autocast's left bytes, offloads and two
-copies in flight; and far fewer front entries. No torch, no timing."""
+copies in flight, and on two profiles measured on the H200 (`tests/data/profiles`); and far
+fewer front entries. No torch, no timing."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import json
 import random
 
 import pytest
 
 import _solve_before as before
+from conftest import DATA
 from actcfg.errors import PlanError
 from actcfg.plan.model import BlockProfile, Option, Profile
 
@@ -82,6 +86,33 @@ def test_the_same_plans_as_the_solver_before_its_bounds(seed):
         budget = lowest + (plain - lowest) * k // 8
         assert (_plan_or_refusal(solve_module.solve, profile, budget)
                 == _plan_or_refusal(before.solve, profile, budget)), (seed, k)
+
+
+def _stretched(profile: Profile, n: int, left: int) -> Profile:
+    """`profile`'s blocks repeated to `n`, each option leaving `left` bytes until the turn (as
+    autocast's cached casts do): the shape of the H200's 12-block GPT-2 under bf16."""
+    blocks = tuple(
+        BlockProfile(f"blocks.{b}", src.forward_ms, src.backward_ms,
+                     {c: dataclasses.replace(o, left=left) for c, o in src.options.items()}, src.parts)
+        for b, src in ((b, profile.blocks[b % len(profile.blocks)]) for b in range(n)))
+    return dataclasses.replace(profile, blocks=blocks)
+
+
+@pytest.mark.parametrize("name", ["h200_blocks", "h200_llama"])
+@pytest.mark.parametrize("stretch", [False, True])
+def test_the_same_plans_on_profiles_measured_on_the_h200(name, stretch):
+    """plan_bench's profiles (8 blocks, six choices, the engine's window, measured copy
+    bandwidth), as measured and stretched to 12 blocks with left bytes."""
+    profile = Profile.from_json(json.loads((DATA / "profiles" / f"{name}.json").read_text()))
+    if stretch:
+        profile = _stretched(profile, 12, 56 << 20)
+    n = len(profile.blocks)
+    lowest = min(before.smallest_peak(profile, m) for m in (1, 2))
+    plain = before.predict(profile, ("keep",) * n)[1]
+    for k in range(0, 9):
+        budget = lowest + (plain - lowest) * k // 8
+        assert (_plan_or_refusal(solve_module.solve, profile, budget)
+                == _plan_or_refusal(before.solve, profile, budget)), k
 
 
 def test_the_bounds_build_far_fewer_front_entries(monkeypatch):
