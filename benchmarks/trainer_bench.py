@@ -77,8 +77,9 @@ class Row:
     plan_seconds: float | None = None
     plan_in_plain_steps: float | None = None
     planning_parts_ms: dict[str, float] = field(default_factory=dict)
-    """The profile's wall time by part (`Profile.parts_ms`), and `compile` and `outside` (what
-    `plan_seconds` spent beyond the profile: solving, writing and applying the plan)."""
+    """The profile's wall time by part (`Profile.parts_ms`), and `compile`, `solve` (the solver)
+    and `outside` (the rest of what `plan_seconds` spent beyond the profile: writing and
+    applying the plan, the integration's checks)."""
     plan: list[dict[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -142,8 +143,10 @@ def _policy_facts(row: Row, callback: Any) -> None:
         if applied.plan.compile_ms:
             row.planning_parts_ms["compile"] = applied.plan.compile_ms
         if row.plan_seconds is not None:
+            row.planning_parts_ms["solve"] = applied.plan.solve_ms
             row.planning_parts_ms["outside"] = max(
-                0.0, row.plan_seconds * 1000 - applied.plan.profile_ms - applied.plan.compile_ms)
+                0.0, row.plan_seconds * 1000 - applied.plan.profile_ms - applied.plan.compile_ms
+                - applied.plan.solve_ms)
         row.predicted_ms = applied.plan.predicted_step_time_ms
         row.predicted_peak = applied.plan.predicted_peak
         row.plan = [{"module": m, "choice": c} for m, c in applied.plan.choices]

@@ -29,10 +29,11 @@ def applied_line(applied: Any, *, planned_in_s: float | None = None, written: Pa
         line = plan.summary()
         if planned_in_s is not None:
             # What the profile did not take (solving, writing the plan, applying it, the
-            # integration's own checks): the part of a trainer's planning no profile part shows.
+            # integration's own checks): the part of a trainer's planning no profile part shows,
+            # with the solver's share said apart (it grows with blocks, choices and fronts).
             outside = max(0.0, planned_in_s - (plan.profile_ms + plan.compile_ms) / 1000)
             line += (f"; planned in {planned_in_s:.1f} s on the first batch ({outside:.1f} s of it "
-                     "outside the profile)")
+                     f"outside the profile, {plan.solve_ms / 1000:.2f} s of that solving)")
         if written is not None:
             line += f"; plan written to {written}"
         return line

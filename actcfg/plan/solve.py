@@ -35,7 +35,11 @@ Every term depends on a block and its neighbours only, so an exact dynamic progr
 blocks finds the optimum: states are the last two choices, each holding the Pareto front of
 (bytes held so far, bytes left until the turn so far, time so far); a front larger than `MAX_FRONT` is thinned to the fastest
 entry per 1/MAX_FRONT of the budget, which keeps every plan within the budget (bytes are never
-rounded) but may miss the optimum by that grain. Ties go to fewer bytes copied: an offload
+rounded) but may miss the optimum by that grain. Entries that cannot lead to the plan chosen
+are dropped before the fronts are built (`_Reach`): those that some later block or the turn
+cannot fit whatever the later blocks choose, and those that cannot finish as fast as a plan
+already known to fit (the fastest uniform plan, a coarse search's plan, `max_inflight` 1's
+optimum when 2 is tried). Ties go to fewer bytes copied: an offload
 costs at least its on-device twin (the profile clamps it so), so a plan offloads a block only
 where the twin would not fit, that is, where the offload lowers the peak.
 """
@@ -43,18 +47,25 @@ where the twin would not fit, that is, where the offload lowers the peak.
 from __future__ import annotations
 
 import bisect
+import math
+import time
 
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 from actcfg.errors import PlanError
-from actcfg.plan.model import CHOICE_OF, COUNTERPART, OFFLOADS, Profile
+from actcfg.plan.model import CHOICE_OF, COUNTERPART, OFFLOADS, Option, Profile
 from actcfg.runtime.reports import PlanReport, memory_size
 
 __all__ = ["MAX_FRONT", "Plan", "lowest_plan", "predict", "smallest_peak", "solve", "uniform_copies"]
 
 MAX_FRONT = 2048
 """Most entries one state of the dynamic program keeps (see the module docstring)."""
+
+SKETCH = 4
+"""The front a first, coarse search keeps: its plan (fast, not always the fastest) bounds the
+exact search, which then drops every entry that cannot finish as fast."""
 
 MIXED_HEADROOM = 1e-4
 """Share of the budget a plan that mixes choices leaves free. A uniform plan is a run the
@@ -79,6 +90,8 @@ class Plan:
     taken: tuple[tuple[str, ...], ...] = ()
     """Per block, the modules its rule takes: the block, or its parts for `split` (empty: every
     block itself, as in a plan over whole blocks)."""
+    solve_ms: float = 0.0
+    """Wall time `solve` took to choose it (on the host, after the profile)."""
 
     def modules(self) -> tuple[str, ...]:
         """Every module the plan's rules take, in block order."""
@@ -109,6 +122,7 @@ class Plan:
             profile_ms=profile.profile_ms,
             compile_ms=profile.compile_ms,
             parts_ms=dict(profile.parts_ms),
+            solve_ms=self.solve_ms,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -126,11 +140,18 @@ plan's choices."""
 
 
 def _base(c: str | None) -> str | None:
-    return c[:-len(LAST)] if c is not None and c.endswith(LAST) else c
+    try:
+        return _BASES[c]
+    except KeyError:
+        base = _BASES[c] = c[:-len(LAST)] if c is not None and c.endswith(LAST) else c
+        return base
 
 
 def _last(c: str | None) -> bool:
     return c is not None and c.endswith(LAST)
+
+
+_BASES: dict[str | None, str | None] = {}  # label -> choice: the solver asks for it per term
 
 
 def _labels(choices: tuple[str, ...] | list[str]) -> list[str]:
@@ -161,6 +182,10 @@ class _Terms:
         self.grads = profile.forward_grads
         self.outside = max(profile.outside_peak, profile.head_peak + self.grads) if self.grads \
             else profile.outside_peak
+        # The dynamic program asks for the same terms from every phase and every search
+        # (`solve`'s coarse one, then the exact one): each is worked out once.
+        self._needs: dict[tuple[int, str | None, str | None, str], tuple[int, int]] = {}
+        self._exposed: dict[tuple[int, str, str | None], float] = {}
 
     def opt(self, b: int, c: str) -> Any:
         return self.p.blocks[b].options[_base(c)]
@@ -236,9 +261,13 @@ class _Terms:
     def need(self, b: int, p2: str | None, p1: str | None, c: str) -> tuple[int, int]:
         """Bytes block b needs in its forward above S + L (what the blocks before it hold and
         left) and in its backward above S (what they left is gone by then)."""
-        forward = self.inflight(b, p2, p1, c) + self.forward_peak(b, c) + self.grads
-        backward = self.reload_ahead(b, p1, c) + self.opt(b, c).backward_peak
-        return forward, backward
+        key = (b, p2, p1, c)
+        known = self._needs.get(key)
+        if known is None:
+            forward = self.inflight(b, p2, p1, c) + self.forward_peak(b, c) + self.grads
+            backward = self.reload_ahead(b, p1, c) + self.opt(b, c).backward_peak
+            known = self._needs[key] = (forward, backward)
+        return known
 
     def left(self, b: int, c: str) -> int:
         return self.opt(b, c).left
@@ -276,6 +305,13 @@ class _Terms:
         """Copy time of block b (choice c) that nothing hides, given the next block's choice."""
         if not self.offloads(c):
             return 0.0
+        key = (b, c, after)
+        known = self._exposed.get(key)
+        if known is None:
+            known = self._exposed[key] = self._exposed_time(b, c, after)
+        return known
+
+    def _exposed_time(self, b: int, c: str, after: str | None) -> float:
         n = self.n
         if b + 1 < n:
             f1 = self.f[b + 1]
@@ -351,17 +387,21 @@ def predict(profile: Profile, choices: tuple[str, ...] | list[str], max_inflight
     return step, peak + profile.accumulated_grads
 
 
-def _dominant(entries: list[tuple[Any, ...]], key: Any) -> list[tuple[Any, ...]]:
-    """The Pareto front of entries (held, left, ...): none kept has both bytes and `key` no
-    better than another kept one's. Sorted by held (then left, then key)."""
-    entries.sort(key=lambda e: (e[0], e[1], key(e)))
+def _dominant(entries: list[tuple[Any, ...]], width: int) -> list[tuple[Any, ...]]:
+    """The Pareto front of entries (held, left, key...), the key being the `width` fields after
+    held and left (compared as a tuple): none kept has both bytes and key no better than another
+    kept one's. Sorted by held (then left, then key); of equal entries the first is kept."""
+    fields = itemgetter(*range(2 + width))
+    key = itemgetter(*range(2, 2 + width)) if width > 1 else itemgetter(2)
+    entries.sort(key=fields)
     front: list[tuple[Any, ...]] = []
     if len({e[1] for e in entries}) <= 1:  # left the same everywhere (no autocast): a staircase
         best = None
         for e in entries:
-            if best is None or key(e) < best:
+            k = key(e)
+            if best is None or k < best:
                 front.append(e)
-                best = key(e)
+                best = k
         return front
     # With autocast, `left` varies too. Entries come sorted by held, so each is checked against
     # the kept ones as a staircase of (left, key): lefts rising, keys falling, each the best key
@@ -385,11 +425,12 @@ def _dominant(entries: list[tuple[Any, ...]], key: Any) -> list[tuple[Any, ...]]
     return front
 
 
-def _prune(entries: list[tuple[Any, ...]], grain: float) -> list[tuple[Any, ...]]:
+def _prune(entries: list[tuple[Any, ...]], grain: float,
+           most: int = MAX_FRONT) -> list[tuple[Any, ...]]:
     """The Pareto front of (held, left, (time, bytes)); thinned to one entry per `grain` of
-    held bytes when larger than MAX_FRONT."""
-    front = _dominant(entries, lambda e: (e[2], e[3]))
-    if len(front) > MAX_FRONT:
+    held bytes when larger than `most`."""
+    front = _dominant(entries, 2)
+    if len(front) > most:
         thin: dict[int, tuple[Any, ...]] = {}
         for e in front:
             bucket = int((e[0] + e[1]) // grain)
@@ -399,36 +440,88 @@ def _prune(entries: list[tuple[Any, ...]], grain: float) -> list[tuple[Any, ...]
     return front
 
 
-def _fastest(profile: Profile, budget: int, max_inflight: int,
-             choices: tuple[str, ...]) -> tuple[float, int, tuple[str, ...]] | None:
-    """(time, bytes copied, choices) of the fastest plan within `budget`, or None."""
-    t = _Terms(profile, max_inflight)
+@dataclass(frozen=True)
+class _Reach:
+    """What the blocks after block b need at the least, whatever they choose, as caps on an
+    entry after block b (`_fastest`): an entry above a cap cannot fit some later block or the
+    turn (held and left only grow, each later block adds at least its smallest option), and
+    `least_ms` is the least time the later blocks add (a copy's exposed time is never negative).
+    Per block, from lower bounds over every option, so the caps never drop a plan that fits."""
+
+    held: list[int]
+    """The most an entry after block b may hold."""
+    held_left: list[int]
+    """The most it may hold and leave together."""
+    least_ms: list[float]
+    """The least the blocks after b add to the step time."""
+
+    @classmethod
+    def of(cls, profile: Profile, budget: int) -> _Reach:
+        n = len(profile.blocks)
+        held, held_left, least_ms = [0] * n, [0] * n, [0.0] * n
+        grads = profile.forward_grads  # in every forward term and the turn's with-left part
+        # At the turn: S_n + what it needs (the turn with `left`, or after the forward returned).
+        h = budget - min([profile.after_turn_peak, *profile.after_turn_peaks.values()])
+        hl = budget - grads - min([profile.turn_peak, *profile.turn_peaks.values()])
+        ms = 0.0
+        for b in range(n - 1, -1, -1):
+            held[b], held_left[b], least_ms[b] = h, hl, ms
+            options = profile.blocks[b].options.values()
+            forward = min(o.forward_peak for o in options) + grads
+            backward = min(o.backward_peak for o in options)
+            # block b as the next block of an entry after block b-1: its forward and backward
+            # need at least its smallest peaks, and it adds at least its smallest bytes
+            h = min(h - min(o.held for o in options), budget - max(forward, backward))
+            hl = min(hl - min(o.held + o.left for o in options), budget - forward)
+            ms += min(o.extra_ms for o in options)
+        return cls(held, held_left, least_ms)
+
+
+def _fastest(t: _Terms, budget: int, choices: tuple[str, ...], within: float = math.inf,
+             most: int = MAX_FRONT) -> tuple[float, int, tuple[str, ...]] | None:
+    """(time, bytes copied, choices) of the fastest plan within `budget` whose time is at most
+    `within` (a plan known to fit: entries that cannot finish as fast are dropped), or None.
+    `most`: the largest front kept (see `MAX_FRONT`); a small one gives a fast plan quickly,
+    not the fastest."""
+    profile = t.p
     if t.outside > budget:
         return None
-    grain = max(1.0, budget / MAX_FRONT)
+    grain = max(1.0, budget / most)
+    reach = _Reach.of(profile, budget)
+    # Float sums in another order may differ in the last bits: a plan as fast as `within` stays.
+    slow = within + 1e-9 * max(1.0, abs(within)) if within != math.inf else math.inf
     # state: (choice of block b-2, of block b-1, phase; see `_Terms.labelled`)
     # entry: (held, left, time, bytes copied, parent entry, choice)
     fronts: dict[tuple[str | None, str | None, int], list[tuple[Any, ...]]] = {
         (None, None, 0): [(0, 0, profile.plain_step_ms, 0, None, None)]}
     for b in range(t.n):
         new: dict[tuple[str | None, str | None, int], list[tuple[Any, ...]]] = {}
+        cap_held, cap_held_left, later_ms = reach.held[b], reach.held_left[b], reach.least_ms[b]
+        terms: dict[tuple[str | None, str | None, str], tuple[int, int, int, Option, float]] = {}
         for (p2, p1, phase), entries in fronts.items():
             for choice in choices:
                 for c, after in t.labelled(choice, phase):
-                    forward, backward = t.need(b, p2, p1, c)
-                    room = budget - max(forward, backward)
+                    known = terms.get((p2, p1, c))
+                    if known is None:  # the same for every phase
+                        forward, backward = t.need(b, p2, p1, c)
+                        known = terms[p2, p1, c] = (
+                            forward, backward, budget - max(forward, backward), t.opt(b, c),
+                            t.cost(b, c) + (t.exposed(b - 1, p1, c) if b >= 1 else 0.0))
+                    forward, backward, room, o, dt = known
                     if room < 0:
                         continue
-                    o = t.opt(b, c)
-                    dt = t.cost(b, c) + (t.exposed(b - 1, p1, c) if b >= 1 else 0.0)
+                    held, left, moved = o.held, o.left, o.moved
+                    room = min(room, cap_held - held)
+                    room_left = min(budget - forward, cap_held_left - held - left)
+                    too_slow = slow - dt - later_ms
                     out = new.setdefault((t.as_before_last(p1), c, after), [])
                     for e in entries:  # sorted by held: past `room`, none fits
                         if e[0] > room:
                             break
-                        if e[0] + e[1] + forward > budget:
+                        if e[0] + e[1] > room_left or e[2] > too_slow:
                             continue
-                        out.append((e[0] + o.held, e[1] + o.left, e[2] + dt, e[3] + o.moved, e, choice))
-        fronts = {k: _prune(v, grain) for k, v in new.items() if v}
+                        out.append((e[0] + held, e[1] + left, e[2] + dt, e[3] + moved, e, choice))
+        fronts = {k: _prune(v, grain, most) for k, v in new.items() if v}
         if not fronts:
             return None
     best: tuple[Any, ...] | None = None
@@ -472,7 +565,7 @@ def lowest_plan(profile: Profile, max_inflight: int = 1) -> tuple[int, tuple[str
                     new.setdefault((t.as_before_last(p1), c, after), []).extend(
                         (s + o.held, lf + o.left, max(pk, s + lf + forward, s + backward), cs + (choice,))
                         for s, lf, pk, cs in entries)
-        fronts = {k: _dominant(v, lambda e: e[2]) for k, v in new.items()}
+        fronts = {k: _dominant(v, 1) for k, v in new.items()}
     peak, picked = min(((max(pk, s + t.turn(p2, p1, lf)), cs)
                         for (p2, p1, phase), v in fronts.items() if phase != 1
                         for s, lf, pk, cs in v), key=lambda e: e[0])
@@ -500,6 +593,7 @@ def solve(profile: Profile, budget: int, *, max_inflight: tuple[int, ...] = (1, 
     """The fastest plan whose predicted peak fits `budget` (bytes); PlanError, with the smallest
     peak any choice reaches, when none does. `max_inflight` 2 is tried only where a block can
     offload; the faster wins, 1 on a tie (it holds less)."""
+    started = time.perf_counter()
     choices = profile.choices()
     if not profile.blocks:
         raise PlanError("the profile has no candidate module to plan for", smallest_peak=None)
@@ -507,14 +601,24 @@ def solve(profile: Profile, budget: int, *, max_inflight: tuple[int, ...] = (1, 
     found: tuple[float, int, int, tuple[str, ...]] | None = None
     mixed_budget = budget - int(budget * MIXED_HEADROOM)
     n = len(profile.blocks)
+    uniforms = {(m, c): predict(profile, (c,) * n, m) for m in tries for c in choices}
+    # The fastest uniform plan that fits, and then the best plan found, bound each search: a
+    # plan slower than one already known is never taken (only the searches' work changes).
+    within = min((step for step, peak in uniforms.values() if peak <= budget), default=math.inf)
+    terms = {m: _Terms(profile, m) for m in tries}
+    # the gradients a later micro-batch starts with come on top of every term
+    sketch = _fastest(terms[tries[0]], mixed_budget - profile.accumulated_grads, choices, within,
+                      SKETCH)
+    if sketch is not None:
+        within = min(within, sketch[0])
     for m in tries:
-        # the gradients a later micro-batch starts with come on top of every term
-        got = _fastest(profile, mixed_budget - profile.accumulated_grads, m, choices)
+        got = _fastest(terms[m], mixed_budget - profile.accumulated_grads, choices,
+                       within if found is None else min(within, found[0]))
         if got is not None and (found is None or (got[0], got[1], m) < found[:3]):
             found = (got[0], got[1], m, got[2])
         for c in choices:  # a measured run fits to the byte: no headroom
             uniform = (c,) * n
-            step, peak = predict(profile, uniform, m)
+            step, peak = uniforms[m, c]
             moved = sum(b.options[c].moved for b in profile.blocks)
             if peak <= budget and (found is None or (step, moved, m) < found[:3]):
                 found = (step, moved, m, uniform)
@@ -531,4 +635,5 @@ def solve(profile: Profile, budget: int, *, max_inflight: tuple[int, ...] = (1, 
     _, _, m, picked = found
     step, peak = predict(profile, picked, m)
     return Plan(tuple(b.name for b in profile.blocks), picked, m, step, peak, budget,
-                tuple(b.taken(c) for b, c in zip(profile.blocks, picked)))
+                tuple(b.taken(c) for b, c in zip(profile.blocks, picked)),
+                solve_ms=(time.perf_counter() - started) * 1000.0)

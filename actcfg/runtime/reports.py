@@ -210,6 +210,8 @@ class PlanReport:
     parts_ms: dict[str, float] = field(default_factory=dict, hash=False)
     """`profile_ms` by part (`actcfg.plan.Profile.parts_ms`): the counting forwards, each
     choice's run, the runs' first steps, the host pool, the copy bandwidth, the rest."""
+    solve_ms: float = 0.0
+    """Wall time the solver took to choose the plan from the profile (outside `profile_ms`)."""
 
     def planning(self) -> str:
         """How long the profile took and where it went: `15.2 s (counts 0.4, keep 1.1, ...,
@@ -250,6 +252,7 @@ class PlanReport:
             "predicted": {"step_time_ms": self.predicted_step_time_ms, "peak": self.predicted_peak},
             "plain": {"step_time_ms": self.plain_step_time_ms, "peak": self.plain_peak},
             "planning": {"profile_ms": self.profile_ms, "compile_ms": self.compile_ms,
-                         "compiled": self.compiled, "parts_ms": dict(self.parts_ms)},
+                         "compiled": self.compiled, "parts_ms": dict(self.parts_ms),
+                         "solve_ms": self.solve_ms},
             "plan": self.policy_yaml,
         }

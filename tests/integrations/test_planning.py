@@ -130,7 +130,7 @@ def test_hf_plans_on_the_first_batch_and_changes_nothing_the_run_sees(tmp_path, 
     out = capsys.readouterr().out
     assert re.search(r"^actcfg: planned 3 modules within memory_budget .*; planning took [\d.]+ s "
                      r"\(counts [\d.]+, keep [\d.]+, .*, rest [\d.]+ s\)\); planned in [\d.]+ s on the "
-                     r"first batch \([\d.]+ s of it outside the profile\); plan written to "
+                     r"first batch \([\d.]+ s of it outside the profile, [\d.]+ s of that solving\); plan written to "
                      rf"{re.escape(str(written))}$", out, re.M)
     assert re.search(r"^actcfg: after the first step: \d+ checkpointed forwards", out, re.M)
     text = written.read_text()
@@ -323,7 +323,7 @@ def test_lightning_plans_on_the_first_batch_and_changes_nothing_the_run_sees(tmp
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("actcfg:")]
     assert len(said) == 2
     assert re.match(r"actcfg: planned 3 modules within memory_budget .*; planned in [\d.]+ s on the "
-                    r"first batch \([\d.]+ s of it outside the profile\); plan written to "
+                    r"first batch \([\d.]+ s of it outside the profile, [\d.]+ s of that solving\); plan written to "
                     rf"{re.escape(str(written))}$", said[0])
     assert said[1].startswith("actcfg: after the first step: ")
 

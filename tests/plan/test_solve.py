@@ -269,7 +269,7 @@ def test_the_report_and_the_cli_json_come_from_the_plan():
         "predicted": {"step_time_ms": plan.step_ms, "peak": plan.peak},
         "plain": {"step_time_ms": HAND.plain_step_ms, "peak": HAND.plain_peak},
         "planning": {"profile_ms": HAND.profile_ms, "compile_ms": HAND.compile_ms, "compiled": None,
-                     "parts_ms": HAND.parts_ms},
+                     "parts_ms": HAND.parts_ms, "solve_ms": plan.solve_ms},
         "plan": "version: 1\n"}
     assert report.to_json()["choices"] == plan.to_json()["blocks"]
 
@@ -287,6 +287,8 @@ def test_the_report_says_where_planning_time_went_part_by_part():
                                  "host pool 6.1, copy bandwidth 0.3, rest 0.1 s)")
     assert report.summary().endswith("; planning took " + report.planning() + ")")
     assert report.plan_json()["planning"]["parts_ms"] == parts
+    # the solver's own time, outside the profile, said apart
+    assert report.solve_ms > 0 and report.plan_json()["planning"]["solve_ms"] == report.solve_ms
     compiled = dataclasses.replace(prof, compiled="blocks with inductor", compile_ms=3100.0)
     assert solve(compiled, 60).report(compiled, "").planning().endswith("rest 0.1 s) + 3.1 s compiling")
     assert solve(HAND, 60).report(HAND, "").planning() == f"{HAND.profile_ms / 1000:.1f} s"

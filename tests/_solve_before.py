@@ -1,0 +1,490 @@
+"""actcfg.plan.solve as it was before the solver bounded its search (issue 18): a frozen copy,
+the reference `tests/plan/test_solve_bounds.py` holds the solver to (the same plans). Not
+maintained: do not import it from actcfg."""
+
+
+from __future__ import annotations
+
+import bisect
+
+from dataclasses import dataclass
+from typing import Any
+
+from actcfg.errors import PlanError
+from actcfg.plan.model import CHOICE_OF, COUNTERPART, OFFLOADS, Profile
+from actcfg.runtime.reports import PlanReport, memory_size
+
+__all__ = ["MAX_FRONT", "Plan", "lowest_plan", "predict", "smallest_peak", "solve", "uniform_copies"]
+
+MAX_FRONT = 2048
+"""Most entries one state of the dynamic program keeps (see the module docstring)."""
+
+MIXED_HEADROOM = 1e-4
+"""Share of the budget a plan that mixes choices leaves free. A uniform plan is a run the
+profile measured, so its prediction is that measurement; a mix is composed from per-block
+terms, and on the H200 (2026-12-01, the Llama stack) mixes that filled their budget to the
+byte measured 4-12 KiB above it (allocations of a few hundred bytes the terms do not see).
+0.01% of a budget of gigabytes is hundreds of KiB, and of a CPU test's KiB a few bytes."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen choice per block, the engine's schedule, and what the model predicts."""
+
+    blocks: tuple[str, ...]
+    choices: tuple[str, ...]
+    max_inflight: int
+    step_ms: float
+    """Predicted step time."""
+    peak: int
+    """Predicted peak bytes (at most `budget`)."""
+    budget: int
+    taken: tuple[tuple[str, ...], ...] = ()
+    """Per block, the modules its rule takes: the block, or its parts for `split` (empty: every
+    block itself, as in a plan over whole blocks)."""
+
+    def modules(self) -> tuple[str, ...]:
+        """Every module the plan's rules take, in block order."""
+        return tuple(n for named in (self.taken or tuple((b,) for b in self.blocks)) for n in named)
+
+    @property
+    def kept_at_turn(self) -> int:
+        """Blocks after the last offloaded one, which stay on the GPU at the forward/backward
+        turn (where nothing hides a copy); 0 when the plan offloads nothing."""
+        offloaded = [i for i, c in enumerate(self.choices) if c in OFFLOADS]
+        return len(self.choices) - 1 - offloaded[-1] if offloaded else 0
+
+    def report(self, profile: Profile, policy_yaml: str) -> PlanReport:
+        """What this plan says to the user and the applied policy's report, with the `profile`
+        it was solved from and its written policy."""
+        return PlanReport(
+            memory_budget=self.budget,
+            choices=tuple(zip(self.blocks, self.choices)),
+            predicted_step_time_ms=self.step_ms,
+            predicted_peak=self.peak,
+            plain_step_time_ms=profile.plain_step_ms,
+            plain_peak=profile.plain_peak,
+            max_inflight=self.max_inflight,
+            kept_at_turn=self.kept_at_turn,
+            policy_yaml=policy_yaml,
+            device=profile.device,
+            compiled=profile.compiled or None,
+            profile_ms=profile.profile_ms,
+            compile_ms=profile.compile_ms,
+            parts_ms=dict(profile.parts_ms),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able form."""
+        return {"blocks": [{"module": b, "choice": c} for b, c in zip(self.blocks, self.choices)],
+                "max_inflight": self.max_inflight, "kept_at_turn": self.kept_at_turn,
+                "step_ms": self.step_ms, "peak": self.peak, "budget": self.budget}
+
+
+LAST = "!"
+"""Marks, inside the model, an offload choice on the last block that offloads (`full_offload!`):
+the engine copies that block whole at its end (it opens as the group that stays for backward)
+and every earlier offloaded block storage by storage, so the copy terms differ. Never in a
+plan's choices."""
+
+
+def _base(c: str | None) -> str | None:
+    return c[:-len(LAST)] if c is not None and c.endswith(LAST) else c
+
+
+def _last(c: str | None) -> bool:
+    return c is not None and c.endswith(LAST)
+
+
+def _labels(choices: tuple[str, ...] | list[str]) -> list[str]:
+    """`choices` with the last offloaded block marked (see `LAST`)."""
+    out = list(choices)
+    offloaded = [i for i, c in enumerate(out) if c in OFFLOADS]
+    if offloaded:
+        out[offloaded[-1]] += LAST
+    return out
+
+
+class _Terms:
+    """The model's terms for one profile and one `max_inflight`. Choices may carry `LAST`."""
+
+    def __init__(self, profile: Profile, max_inflight: int) -> None:
+        self.p = profile
+        self.m = max_inflight
+        self.n = len(profile.blocks)
+        self.f = [b.forward_ms for b in profile.blocks]
+        self.g = [b.backward_ms for b in profile.blocks]
+        # The engine's windows in bytes (0: unknown, whole blocks in flight): copies in flight
+        # in forward, per max_inflight; reloads ahead of their use in backward (prefetch 1).
+        self.largest = profile.largest_storage if profile.window_storages else 0
+        self.back_window = profile.window_storages * self.largest
+        self.window = max_inflight * self.back_window
+
+    def opt(self, b: int, c: str) -> Any:
+        return self.p.blocks[b].options[_base(c)]
+
+    def offloads(self, c: str | None) -> bool:
+        return _base(c) in OFFLOADS
+
+    def moved(self, b: int, c: str | None) -> int:
+        return self.opt(b, c).moved if self.offloads(c) else 0
+
+    def d2h(self, b: int, c: str | None) -> float:
+        return self.p.copy_ms(self.moved(b, c), to_host=True)
+
+    def h2d(self, b: int, c: str | None) -> float:
+        return self.p.copy_ms(self.moved(b, c), to_host=False)
+
+    def running(self, b: int, c: str | None, after_ms: float) -> int:
+        """Bytes of block b's copy (choice c) still on the device `after_ms` of compute after its
+        launch: all of them while it runs (the peak may come anywhere in that compute). A copy
+        that takes no time (the host loopback's are synchronous) gives its memory back at the
+        next saved tensor: storage by storage that is the block's own newest storage, which its
+        measured forward holds; the last offloaded block's whole copy, launched at its end, is
+        still there while the next op makes its output."""
+        t = self.d2h(b, c)
+        if t > after_ms or (after_ms == 0 and (_last(c) or not self.window)):
+            return self.moved(b, c)
+        return 0
+
+    def inflight(self, b: int, p2: str | None, p1: str | None, c: str | None = None) -> int:
+        """Copies still on the device while block b (choice c) runs forward (b = n: at the turn).
+
+        Block b-1's copy was launched as block b began (the last one of its storages, or, for
+        the last offloaded block, all of it); block b-2's is still there if it outlasts block
+        b-1's forward and nothing waited for it. Storage by storage, the engine keeps at most
+        its window in flight (`window_storages` of the largest storage, per max_inflight), and
+        under the last offloaded block, which holds its own storages to its end, one copy."""
+        one = self.running(b - 1, p1, 0.0) if b >= 1 else 0
+        two = self.running(b - 2, p2, self.f[b - 1]) if b >= 2 else 0
+        if not self.window:  # whole blocks (a profile without the engine's window)
+            return one + (two if self.m >= 2 or not self.offloads(p1) else 0)
+        if _last(p1):  # launched whole; at most max_inflight - 1 earlier copies beside it
+            return one + (min(two, self.largest) if self.m >= 2 else 0)
+        if _last(p2) and not self.offloads(p1):
+            return two
+        out = min(one + two, self.window)
+        return min(out, self.largest) if _last(c) else out
+
+    def reload_ahead(self, b: int, p1: str | None, c: str | None = None) -> int:
+        """Reloads on the device ahead of their use while block b (choice c) runs backward
+        (b = n: at the turn, as the head's backward unpacks what it saved). Whole blocks: block
+        b-1's, started as block b's backward does. Storage by storage, the engine reloads the
+        storages of the block in use and of the one below, newest first, within its backward
+        window (`window_storages` of the largest storage), which block b's own storages share
+        with block b-1's until they are used: an offload without recompute uses its storages
+        one by one through its backward, a checkpoint's inputs are all used as its recompute
+        begins (then they are the block's own activations, in its `backward_peak`)."""
+        below = self.moved(b - 1, p1) if b >= 1 else 0
+        if not self.back_window:
+            return below
+        base = _base(c)
+        own = self.moved(b, c) if b < self.n and base is not None and CHOICE_OF[base].mode == "none" else 0
+        return min(below + own, self.back_window)
+
+    def forward_peak(self, b: int, c: str) -> int:
+        """Block b's own forward peak. The last offloaded block leaves only at its end, so in its
+        forward it holds what its on-device twin holds (keep's activations, full's input); every
+        other offloaded block's storages leave as they are saved, as its uniform run measured."""
+        twin = COUNTERPART.get(_base(c) or "")
+        if self.window and _last(c) and twin in self.p.blocks[b].options:
+            return self.p.blocks[b].options[twin].forward_peak
+        return self.opt(b, c).forward_peak
+
+    def need(self, b: int, p2: str | None, p1: str | None, c: str) -> tuple[int, int]:
+        """Bytes block b needs in its forward above S + L (what the blocks before it hold and
+        left) and in its backward above S (what they left is gone by then)."""
+        forward = self.inflight(b, p2, p1, c) + self.forward_peak(b, c)
+        backward = self.reload_ahead(b, p1, c) + self.opt(b, c).backward_peak
+        return forward, backward
+
+    def left(self, b: int, c: str) -> int:
+        return self.opt(b, c).left
+
+    def turn(self, p2: str | None, p1: str | None, left: int = 0) -> int:
+        """Bytes needed above S_n at the forward/backward turn, `left` being what the blocks
+        left until the forward's end: where the profile measured a turn for the last block's
+        choice, that turn and the copies of block n-2 still in flight beside it
+        (`turn_copies(..., own=False)`); else the largest turn with the copies. The turn is
+        the larger of its part until the model's forward returns (with `left`) and after."""
+        base = _base(p1) if p1 is not None else None
+        measured = self.p.turn_peaks.get(base) if base is not None else None
+        after = self.p.after_turn_peaks.get(base, self.p.after_turn_peak) if base is not None \
+            else self.p.after_turn_peak
+        if measured is None:
+            return self.turn_copies(p2, p1) + max(left + self.p.turn_peak, self.p.after_turn_peak)
+        return self.turn_copies(p2, p1, own=False) + max(left + measured, after)
+
+    def turn_copies(self, p2: str | None, p1: str | None, own: bool = True) -> int:
+        """Copies on the device at the turn: in flight, or, with the engine's window, the larger
+        of those and the reloads ahead of the last block's backward (they start as the head's
+        backward unpacks what it saved). `own=False`: only block n-2's copy, which the last
+        block's uniform run did not have beside its own."""
+        if not own:
+            if self.offloads(p1):  # the last offloaded block: at most max_inflight - 1 beside it
+                two = self.running(self.n - 2, p2, self.f[self.n - 1]) if self.n >= 2 else 0
+                return min(two, self.largest or two) if self.m >= 2 else 0
+            return self.inflight(self.n, p2, p1)
+        ahead = self.reload_ahead(self.n, p1) if self.back_window else 0
+        return max(self.inflight(self.n, p2, p1), ahead)
+
+    def exposed(self, b: int, c: str, after: str | None) -> float:
+        """Copy time of block b (choice c) that nothing hides, given the next block's choice."""
+        if not self.offloads(c):
+            return 0.0
+        n = self.n
+        if b + 1 < n:
+            f1 = self.f[b + 1]
+            window_back = self.g[b + 1] + self.opt(b + 1, after).recompute_ms
+        else:
+            f1 = self.p.forward_after_ms
+            window_back = self.p.backward_before_ms
+        window = f1
+        if b + 1 < n:
+            # The next launch that waits for this copy: at the end of the next block if it
+            # offloads (with max_inflight 1), else no earlier than the end of the one after.
+            f2 = self.f[b + 2] if b + 2 < n else self.p.forward_after_ms
+            if not self.offloads(after):
+                window = f1 + f2
+            elif self.m >= 2:
+                window = max(f1, f1 + f2 - self.d2h(b + 1, after))
+        return max(0.0, self.d2h(b, c) - window) + max(0.0, self.h2d(b, c) - window_back)
+
+    def cost(self, b: int, c: str) -> float:
+        return self.opt(b, c).extra_ms
+
+    def as_before_last(self, c: str | None) -> str | None:
+        """The choice of block b-2 as the terms read it: only an offload's copy reaches two blocks
+        on, so every other choice is one state of the dynamic program (None)."""
+        return c if self.offloads(c) else None
+
+    def labelled(self, c: str, phase: int) -> list[tuple[str, int]]:
+        """The labels choice c may take after `phase`, each with the phase after it. Phases: 0
+        nothing offloaded yet, 1 offloaded and the last offloaded block still to come, 2 the
+        last offloaded block placed (no offload after it)."""
+        if c not in OFFLOADS:
+            return [(c, phase)]
+        if phase == 2:
+            return []
+        return [(c, 1), (c + LAST, 2)]
+
+
+def uniform_copies(profile: Profile, choice: str) -> tuple[list[int], list[int], int]:
+    """The model's copy terms when every block takes `choice`, with max_inflight 1 (the
+    profile's uniform runs): per block, the copies in flight during its forward and the reloads
+    ahead of their use during its backward, and the copies at the turn. `predict` adds exactly
+    these above what the blocks hold; the cost model (`actcfg.plan.cost`) takes them off what
+    a uniform run measured. One model, used both ways. Needs only each option's `moved`."""
+    t = _Terms(profile, 1)
+    labels: list[str | None] = [None, None, *_labels([choice] * t.n)]  # labels[b + 2]: block b's
+    forward = [t.inflight(b, labels[b], labels[b + 1], labels[b + 2]) for b in range(t.n)]
+    backward = [t.reload_ahead(b, labels[b + 1], labels[b + 2]) for b in range(t.n)]
+    return forward, backward, t.turn_copies(labels[t.n], labels[t.n + 1])
+
+
+def predict(profile: Profile, choices: tuple[str, ...] | list[str], max_inflight: int = 1) -> tuple[float, int]:
+    """(step ms, peak bytes) the model predicts for `choices` (one per block)."""
+    t = _Terms(profile, max_inflight)
+    if len(choices) != t.n:
+        raise ValueError(f"{len(choices)} choices for {t.n} blocks")
+    step = profile.plain_step_ms
+    peak = 0
+    held = left = 0
+    p2: str | None = None
+    p1: str | None = None
+    for b, c in enumerate(_labels(choices)):
+        forward, backward = t.need(b, p2, p1, c)
+        peak = max(peak, held + left + forward, held + backward)
+        held += t.opt(b, c).held
+        left += t.left(b, c)
+        step += t.cost(b, c)
+        if b >= 1:
+            step += t.exposed(b - 1, p1, c)
+        p2, p1 = p1, c
+    if t.n:
+        step += t.exposed(t.n - 1, p1, None)
+    peak = max(peak, held + t.turn(p2, p1, left), profile.outside_peak)
+    return step, peak + profile.accumulated_grads
+
+
+def _dominant(entries: list[tuple[Any, ...]], key: Any) -> list[tuple[Any, ...]]:
+    """The Pareto front of entries (held, left, ...): none kept has both bytes and `key` no
+    better than another kept one's. Sorted by held (then left, then key)."""
+    entries.sort(key=lambda e: (e[0], e[1], key(e)))
+    front: list[tuple[Any, ...]] = []
+    if len({e[1] for e in entries}) <= 1:  # left the same everywhere (no autocast): a staircase
+        best = None
+        for e in entries:
+            if best is None or key(e) < best:
+                front.append(e)
+                best = key(e)
+        return front
+    # With autocast, `left` varies too. Entries come sorted by held, so each is checked against
+    # the kept ones as a staircase of (left, key): lefts rising, keys falling, each the best key
+    # at that left or below. An entry is dominated when the step at or below its left has a key
+    # no worse; else it joins the front and hides the steps above it that it beats. A scan of
+    # the whole front per entry took seconds on a 12-block GPT-2 under bf16 (issue 18).
+    lefts: list[int] = []
+    keys: list[Any] = []
+    for e in entries:
+        k, lf = key(e), e[1]
+        i = bisect.bisect_right(lefts, lf)
+        if i and keys[i - 1] <= k:
+            continue
+        front.append(e)
+        j = i
+        while j < len(keys) and keys[j] >= k:
+            j += 1
+        if i and lefts[i - 1] == lf:  # same left, worse key: this entry's step replaces it
+            i -= 1
+        lefts[i:j], keys[i:j] = [lf], [k]
+    return front
+
+
+def _prune(entries: list[tuple[Any, ...]], grain: float) -> list[tuple[Any, ...]]:
+    """The Pareto front of (held, left, (time, bytes)); thinned to one entry per `grain` of
+    held bytes when larger than MAX_FRONT."""
+    front = _dominant(entries, lambda e: (e[2], e[3]))
+    if len(front) > MAX_FRONT:
+        thin: dict[int, tuple[Any, ...]] = {}
+        for e in front:
+            bucket = int((e[0] + e[1]) // grain)
+            if bucket not in thin or (e[2], e[3]) < (thin[bucket][2], thin[bucket][3]):
+                thin[bucket] = e
+        front = sorted(thin.values(), key=lambda e: e[0])
+    return front
+
+
+def _fastest(profile: Profile, budget: int, max_inflight: int,
+             choices: tuple[str, ...]) -> tuple[float, int, tuple[str, ...]] | None:
+    """(time, bytes copied, choices) of the fastest plan within `budget`, or None."""
+    t = _Terms(profile, max_inflight)
+    if profile.outside_peak > budget:
+        return None
+    grain = max(1.0, budget / MAX_FRONT)
+    # state: (choice of block b-2, of block b-1, phase; see `_Terms.labelled`)
+    # entry: (held, left, time, bytes copied, parent entry, choice)
+    fronts: dict[tuple[str | None, str | None, int], list[tuple[Any, ...]]] = {
+        (None, None, 0): [(0, 0, profile.plain_step_ms, 0, None, None)]}
+    for b in range(t.n):
+        new: dict[tuple[str | None, str | None, int], list[tuple[Any, ...]]] = {}
+        for (p2, p1, phase), entries in fronts.items():
+            for choice in choices:
+                for c, after in t.labelled(choice, phase):
+                    forward, backward = t.need(b, p2, p1, c)
+                    room = budget - max(forward, backward)
+                    if room < 0:
+                        continue
+                    o = t.opt(b, c)
+                    dt = t.cost(b, c) + (t.exposed(b - 1, p1, c) if b >= 1 else 0.0)
+                    out = new.setdefault((t.as_before_last(p1), c, after), [])
+                    for e in entries:  # sorted by held: past `room`, none fits
+                        if e[0] > room:
+                            break
+                        if e[0] + e[1] + forward > budget:
+                            continue
+                        out.append((e[0] + o.held, e[1] + o.left, e[2] + dt, e[3] + o.moved, e, choice))
+        fronts = {k: _prune(v, grain) for k, v in new.items() if v}
+        if not fronts:
+            return None
+    best: tuple[Any, ...] | None = None
+    for (p2, p1, phase), entries in fronts.items():
+        if phase == 1:  # an offloaded block was taken for not the last, and none came after
+            continue
+        room = budget - t.turn(p2, p1)
+        tail = t.exposed(t.n - 1, p1, None) if t.n else 0.0
+        for e in entries:
+            if e[0] > room:
+                break
+            if e[0] + t.turn(p2, p1, e[1]) > budget:
+                continue
+            cand = (e[2] + tail, e[3], e)
+            if best is None or cand[:2] < best[:2]:
+                best = cand
+    if best is None:
+        return None
+    picked: list[str] = []
+    e = best[2]
+    while e[4] is not None:
+        picked.append(e[5])
+        e = e[4]
+    return best[0], best[1], tuple(reversed(picked))
+
+
+def lowest_plan(profile: Profile, max_inflight: int = 1) -> tuple[int, tuple[str, ...]]:
+    """(the smallest peak the model predicts for any choices, the choices that reach it): a
+    Pareto front of held bytes and peak so far, per state of the last two choices and phase."""
+    t = _Terms(profile, max_inflight)
+    choices = profile.choices()
+    # entry: (held so far, left so far, peak so far, choices so far)
+    fronts: dict[tuple[str | None, str | None, int], list[tuple[int, int, int, tuple[str, ...]]]] = {
+        (None, None, 0): [(0, 0, 0, ())]}
+    for b in range(t.n):
+        new: dict[tuple[str | None, str | None, int], list[tuple[int, int, int, tuple[str, ...]]]] = {}
+        for (p2, p1, phase), entries in fronts.items():
+            for choice in choices:
+                for c, after in t.labelled(choice, phase):
+                    (forward, backward), o = t.need(b, p2, p1, c), t.opt(b, c)
+                    new.setdefault((t.as_before_last(p1), c, after), []).extend(
+                        (s + o.held, lf + o.left, max(pk, s + lf + forward, s + backward), cs + (choice,))
+                        for s, lf, pk, cs in entries)
+        fronts = {k: _dominant(v, lambda e: e[2]) for k, v in new.items()}
+    peak, picked = min(((max(pk, s + t.turn(p2, p1, lf)), cs)
+                        for (p2, p1, phase), v in fronts.items() if phase != 1
+                        for s, lf, pk, cs in v), key=lambda e: e[0])
+    return max(profile.outside_peak, peak) + profile.accumulated_grads, picked
+
+
+def smallest_peak(profile: Profile, max_inflight: int = 1) -> int:
+    """The smallest peak the model predicts for any choices (see `lowest_plan`)."""
+    return lowest_plan(profile, max_inflight)[0]
+
+
+def _said(blocks: tuple[str, ...], choices: tuple[str, ...]) -> str:
+    """`choices` per block in few words: `split on blocks.0; full on 7 modules (blocks.1, ...)`."""
+    by: dict[str, list[str]] = {}
+    for name, c in zip(blocks, choices):
+        by.setdefault(c, []).append(name)
+    said = []
+    for c, names in by.items():
+        where = ", ".join(names) if len(names) <= 3 else f"{len(names)} modules ({names[0]}, ...)"
+        said.append(f"{c} on {where}")
+    return "; ".join(said)
+
+
+def solve(profile: Profile, budget: int, *, max_inflight: tuple[int, ...] = (1, 2)) -> Plan:
+    """The fastest plan whose predicted peak fits `budget` (bytes); PlanError, with the smallest
+    peak any choice reaches, when none does. `max_inflight` 2 is tried only where a block can
+    offload; the faster wins, 1 on a tie (it holds less)."""
+    choices = profile.choices()
+    if not profile.blocks:
+        raise PlanError("the profile has no candidate module to plan for", smallest_peak=None)
+    tries = max_inflight if any(c in OFFLOADS for c in choices) else max_inflight[:1]
+    found: tuple[float, int, int, tuple[str, ...]] | None = None
+    mixed_budget = budget - int(budget * MIXED_HEADROOM)
+    n = len(profile.blocks)
+    for m in tries:
+        # the gradients a later micro-batch starts with come on top of every term
+        got = _fastest(profile, mixed_budget - profile.accumulated_grads, m, choices)
+        if got is not None and (found is None or (got[0], got[1], m) < found[:3]):
+            found = (got[0], got[1], m, got[2])
+        for c in choices:  # a measured run fits to the byte: no headroom
+            uniform = (c,) * n
+            step, peak = predict(profile, uniform, m)
+            moved = sum(b.options[c].moved for b in profile.blocks)
+            if peak <= budget and (found is None or (step, moved, m) < found[:3]):
+                found = (step, moved, m, uniform)
+    if found is None:
+        lowest, reached = min((lowest_plan(profile, m) for m in tries), key=lambda e: e[0])
+        names = tuple(b.name for b in profile.blocks)
+        finer = "" if "split" in choices else " or their parts, `checkpoint.submodules`"
+        raise PlanError(
+            f"no plan fits memory_budget {memory_size(budget)}: the smallest peak any choice of "
+            f"{', '.join(choices)} per module reaches is {memory_size(lowest)} (plain: "
+            f"{memory_size(profile.plain_peak)}), with {_said(names, reached)}. Raise memory_budget "
+            f"to at least {memory_size(lowest)}, or plan over more or finer modules "
+            f"(`checkpoint.modules`{finer})", smallest_peak=lowest)
+    _, _, m, picked = found
+    step, peak = predict(profile, picked, m)
+    return Plan(tuple(b.name for b in profile.blocks), picked, m, step, peak, budget,
+                tuple(b.taken(c) for b, c in zip(profile.blocks, picked)))
