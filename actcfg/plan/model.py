@@ -60,6 +60,7 @@ CHOICE_TABLE: tuple[Choice, ...] = (
     Choice("split", "full", parts=True),
     Choice("full", "full"),
     Choice("full_offload", "full", offload=True, counterpart="full"),
+    Choice("split_offload", "full", offload=True, counterpart="split", parts=True),
     Choice("offload", "none", offload=True, counterpart="keep"),
 )
 """Every choice, from the most memory to the least (roughly)."""
