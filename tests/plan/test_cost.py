@@ -87,7 +87,7 @@ def _measured(model, inputs, modules, prof: Profile, choices: tuple[str, ...], m
 
 def test_every_uniform_choice_is_predicted_within_5_percent(profiled):
     _, model, inputs, modules, prof = profiled
-    assert prof.choices() == ("keep", "selective", "split", "full", "full_offload", "offload")
+    assert prof.choices() == ("keep", "selective", "split", "full", "full_offload", "split_offload", "offload")
     assert prof.window_storages == 2 and prof.largest_storage > 0
     n = len(prof.blocks)
     for c in prof.choices():
