@@ -88,8 +88,8 @@ class Plan:
     """Predicted peak bytes (at most `budget`)."""
     budget: int
     taken: tuple[tuple[str, ...], ...] = ()
-    """Per block, the modules its rule takes: the block, or its parts for `split` (empty: every
-    block itself, as in a plan over whole blocks)."""
+    """Per block, the modules its rule takes: the block, or its parts for a choice on parts
+    (`split`, `split_offload`) (empty: every block itself, as in a plan over whole blocks)."""
     solve_ms: float = 0.0
     """Wall time `solve` took to choose it (on the host, after the profile)."""
 
@@ -632,7 +632,8 @@ def solve(profile: Profile, budget: int, *, max_inflight: tuple[int, ...] = (1, 
     if found is None:
         lowest, reached = min((lowest_plan(profile, m) for m in tries), key=lambda e: e[0])
         names = tuple(b.name for b in profile.blocks)
-        finer = "" if "split" in choices else " or their parts, `checkpoint.submodules`"
+        finer = "" if any(CHOICE_OF[c].parts for c in choices) \
+            else " or their parts, `checkpoint.submodules`"
         raise PlanError(
             f"no plan fits memory_budget {memory_size(budget)}: the smallest peak any choice of "
             f"{', '.join(choices)} per module reaches is {memory_size(lowest)} (plain: "

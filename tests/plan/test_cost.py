@@ -122,8 +122,10 @@ MIXED = {
 
 MIXED_PARTS = {
     # parts offloaded beside whole blocks offloaded, split and kept (the last offloaded one split)
-    "blocks": ("split_offload", "full_offload", "split", "split_offload", "keep", "full", "split_offload", "keep"),
-    "llama": ("full", "split_offload", "full_offload", "split_offload", "split", "keep", "split_offload", "keep"),
+    "blocks": ("split_offload", "full_offload", "split", "split_offload", "keep", "full", "split_offload",
+               "keep"),
+    "llama": ("full", "split_offload", "full_offload", "split_offload", "split", "keep", "split_offload",
+              "keep"),
     "uneven": ("split_offload", "full_offload", "split_offload", "split", "split_offload", "full"),
 }
 

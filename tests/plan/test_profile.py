@@ -20,7 +20,8 @@ from actcfg.plan.profile import measure_steps, profile, saved_bytes
 from actcfg.api import apply
 from _helpers import Layer, watch_host_pools
 
-WHOLE = tuple(c for c in CHOICES if not CHOICE_OF[c].parts)  # the choices of a block planned whole (no parts named)
+# the choices of a block planned whole (no parts named)
+WHOLE = tuple(c for c in CHOICES if not CHOICE_OF[c].parts)
 
 # Each test profiles a training step per candidate choice on the CPU: the quick inner loop
 # (`pytest -m "not slow"`) leaves them to CI.
