@@ -60,6 +60,7 @@ CHOICE_TABLE: tuple[Choice, ...] = (
     Choice("split", "full", parts=True),
     Choice("full", "full"),
     Choice("full_offload", "full", offload=True, counterpart="full"),
+    Choice("split_offload", "full", offload=True, counterpart="split", parts=True),
     Choice("offload", "none", offload=True, counterpart="keep"),
 )
 """Every choice, from the most memory to the least (roughly)."""
@@ -121,7 +122,7 @@ class BlockProfile:
     """The choices measured for this block (offload ones only where offloading can run)."""
     parts: tuple[str, ...] = ()
     """Qualified names of the block's parts (`checkpoint.submodules`), in module order; empty
-    when the block is planned whole (then it has no `split` option)."""
+    when the block is planned whole (then it has no `split` or `split_offload` option)."""
 
     def taken(self, choice: str) -> tuple[str, ...]:
         """The modules the rule of `choice` takes for this block: its parts for a choice on

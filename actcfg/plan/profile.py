@@ -1,9 +1,9 @@
 """Profile one training step per candidate block under each choice, on the real model.
 
-For each choice (keep, selective, split into parts, full, full + offload, offload) the
-candidates get that choice uniformly, through `actcfg.apply` with a `checkpoint.mode: rules`
-policy (removed after), and a few steps run under a probe: forward and backward hooks on each
-candidate record CUDA events and `torch.cuda` memory statistics at its boundaries (its forward;
+For each choice (keep, selective, split into parts, full, full + offload, split + offload,
+offload) the candidates get that choice uniformly, through `actcfg.apply` with a
+`checkpoint.mode: rules` policy (removed after), and a few steps run under a probe: forward
+and backward hooks on each candidate record CUDA events and `torch.cuda` memory statistics at its boundaries (its forward;
 its backward, from the gradient of its output to the gradient of its input; the turn between the
 last forward and the first backward). What each block keeps is counted with saved-tensor hooks (storages saved inside
 its forward; for selective, also the outputs of its saved ops) and, for offload choices, with the
@@ -241,11 +241,12 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
          pin_budget: int | None, taken: Sequence[str], compile: Compile | None = None,
          spent: list[float] | None = None, warmed: _Warmed | None = None,
          outputs_held: bool = True, strict: bool = False) -> Run:
-    # `taken`: the modules the choice's rule names (the blocks, or their parts for `split`);
-    # the probe and the byte counts stay on the blocks either way. Keep too runs as applied (a
-    # `mode: none` rule), as the plan will: applying any policy turns a Hugging Face model's
-    # `use_cache` off (`prepare_hf_model`), and a bare keep run built a KV cache no plan builds
-    # (a tiny GPT-2: every keep term two block-sized tensors per layer over its plan's step).
+    # `taken`: the modules the choice's rule names (the blocks, or their parts for `split` and
+    # `split_offload`); the probe and the byte counts stay on the blocks either way. Keep too
+    # runs as applied (a `mode: none` rule), as the plan will: applying any policy turns a
+    # Hugging Face model's `use_cache` off (`prepare_hf_model`), and a bare keep run built a KV
+    # cache no plan builds (a tiny GPT-2: every keep term two block-sized tensors per layer
+    # over its plan's step).
     handle = apply(model, _uniform(taken, choice, pin, pin_budget, compile))
     probe = Probe(modules, meter)
     spent = [] if spent is None else spent
@@ -287,10 +288,13 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
                                     outputs_held=outputs_held)
         moved = [0] * len(names)
         if handle.engine is not None:
-            by_name = {}
+            # Groups open at the modules the rule takes: a choice on parts (`split_offload`)
+            # moves its bytes in groups named after the parts, which count to their block.
+            block_of = {n: b for b, n in enumerate(names)}
             for g in handle.offload_groups():
-                by_name[g["module"]] = by_name.get(g["module"], 0) + g["offloaded_bytes"]
-            moved = [by_name.get(n, 0) for n in names]
+                b = _block_of(g["module"], block_of)
+                if b is not None:
+                    moved[b] += g["offloaded_bytes"]
     finally:
         probe.remove()
         handle.remove()
@@ -304,6 +308,15 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
         last.backward_before_ms *= scale
         last.step_ms *= scale
     return Run(last, moved)
+
+
+def _block_of(module: str, block_of: dict[str, int]) -> int | None:
+    """The index of the block `module` is (or is inside), by its qualified name; None for a
+    module outside every block."""
+    name = module
+    while name not in block_of and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return block_of.get(name)
 
 
 OUTRUN = 1.1
@@ -369,8 +382,9 @@ def profile(
     """Profile one training step of `model` on `inputs` per candidate (`modules`: fnmatch
     patterns) under each choice; `apply` applies a concrete policy (`actcfg.api` passes it).
     `submodules` (`checkpoint.submodules`) names each candidate's parts, which add the `split`
-    choice: the parts checkpointed one by one. Everything the runs change is put back;
-    PlanError when a candidate is never called or the plain step cannot be run.
+    choice (the parts checkpointed one by one) and `split_offload` (each part's input offloaded
+    too). Everything the runs change is put back; PlanError when a candidate is never called or
+    the plain step cannot be run.
 
     With `compile` every run is compiled as the plan will be (`apply` compiles each uniform
     policy, keep included), and the time spent compiling is kept apart (`Profile.compile_ms`).

@@ -88,8 +88,8 @@ class Plan:
     """Predicted peak bytes (at most `budget`)."""
     budget: int
     taken: tuple[tuple[str, ...], ...] = ()
-    """Per block, the modules its rule takes: the block, or its parts for `split` (empty: every
-    block itself, as in a plan over whole blocks)."""
+    """Per block, the modules its rule takes: the block, or its parts for a choice on parts
+    (`split`, `split_offload`) (empty: every block itself, as in a plan over whole blocks)."""
     solve_ms: float = 0.0
     """Wall time `solve` took to choose it (on the host, after the profile)."""
 
@@ -242,10 +242,17 @@ class _Terms:
         with block b-1's until they are used: an offload without recompute uses its storages
         one by one through its backward, a checkpoint's inputs are all used as its recompute
         begins (then they are the block's own activations, in its `backward_peak`)."""
+        base = _base(c)
         below = self.moved(b - 1, p1) if b >= 1 else 0
+        if base is not None and b < self.n and CHOICE_OF[base].parts:
+            # Its parts are groups of their own: the group below the part in use is the block's
+            # own earlier part (its reload is in the measured `backward_peak`), and block b-1's
+            # reload starts only under its first part, after the larger recomputes (a CPU stack
+            # of attention and MLP parts: counting it there put a split_offload last block 2 MiB
+            # under what it measured, beside split blocks).
+            below = 0
         if not self.back_window:
             return below
-        base = _base(c)
         own = self.moved(b, c) if b < self.n and base is not None and CHOICE_OF[base].mode == "none" else 0
         return min(below + own, self.back_window)
 
@@ -625,7 +632,8 @@ def solve(profile: Profile, budget: int, *, max_inflight: tuple[int, ...] = (1, 
     if found is None:
         lowest, reached = min((lowest_plan(profile, m) for m in tries), key=lambda e: e[0])
         names = tuple(b.name for b in profile.blocks)
-        finer = "" if "split" in choices else " or their parts, `checkpoint.submodules`"
+        finer = "" if any(CHOICE_OF[c].parts for c in choices) \
+            else " or their parts, `checkpoint.submodules`"
         raise PlanError(
             f"no plan fits memory_budget {memory_size(budget)}: the smallest peak any choice of "
             f"{', '.join(choices)} per module reaches is {memory_size(lowest)} (plain: "

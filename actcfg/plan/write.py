@@ -43,7 +43,8 @@ def plan_policy(plan: Plan, source: Any) -> Policy:
     pin budgets where a rule offloads).
 
     One rule per choice, in the order the choices first appear; a block planned `split` is
-    named by its parts (each checkpointed on its own). Blocks that keep everything get
+    named by its parts (each checkpointed on its own), and so is one planned `split_offload` (its
+    rule with `cpu_checkpointing`: each part's input offloaded). Blocks that keep everything get
     a `mode: none` rule too, so every candidate is named and the offload engine starts each
     reload one block ahead. `keep_last` and `max_inflight` are set when a rule offloads: the
     plan's choices are explicit, so `keep_last` is 0 (the blocks it keeps at the turn are

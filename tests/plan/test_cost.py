@@ -87,7 +87,7 @@ def _measured(model, inputs, modules, prof: Profile, choices: tuple[str, ...], m
 
 def test_every_uniform_choice_is_predicted_within_5_percent(profiled):
     _, model, inputs, modules, prof = profiled
-    assert prof.choices() == ("keep", "selective", "split", "full", "full_offload", "offload")
+    assert prof.choices() == ("keep", "selective", "split", "full", "full_offload", "split_offload", "offload")
     assert prof.window_storages == 2 and prof.largest_storage > 0
     n = len(prof.blocks)
     for c in prof.choices():
@@ -120,10 +120,20 @@ MIXED = {
     "uneven": ("full_offload", "keep", "split", "full", "split", "full_offload"),
 }
 
+MIXED_PARTS = {
+    # parts offloaded beside whole blocks offloaded, split and kept (the last offloaded one split)
+    "blocks": ("split_offload", "full_offload", "split", "split_offload", "keep", "full", "split_offload",
+               "keep"),
+    "llama": ("full", "split_offload", "full_offload", "split_offload", "split", "keep", "split_offload",
+              "keep"),
+    "uneven": ("split_offload", "full_offload", "split_offload", "split", "split_offload", "full"),
+}
 
-def test_a_plan_mixing_offload_with_recompute_is_predicted_within_5_percent(profiled):
+
+@pytest.mark.parametrize("mixed", [MIXED, MIXED_PARTS], ids=["whole", "parts"])
+def test_a_plan_mixing_offload_with_recompute_is_predicted_within_5_percent(profiled, mixed):
     name, model, inputs, modules, prof = profiled
     for m in (1, 2):
-        predicted = predict(prof, MIXED[name], m)[1]
-        assert predicted == pytest.approx(_measured(model, inputs, modules, prof, MIXED[name], m),
+        predicted = predict(prof, mixed[name], m)[1]
+        assert predicted == pytest.approx(_measured(model, inputs, modules, prof, mixed[name], m),
                                           rel=0.05), (name, m)

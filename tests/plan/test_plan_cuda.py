@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 
 from actcfg.policy.checker import load  # noqa: E402
 from actcfg.plan import CHOICES, predict, smallest_peak, solve  # noqa: E402
+from actcfg.plan.model import CHOICE_OF  # noqa: E402
 from actcfg.plan.profile import measure_steps, profile  # noqa: E402
 from actcfg.plan.write import policy_text  # noqa: E402
 from actcfg.probes import blocks  # noqa: E402
@@ -36,7 +37,7 @@ def small_blocks():
     return blocks(n=8, d_model=1024, heads=8, ffn=4096, batch=4, seq=1024)
 
 
-WHOLE = tuple(c for c in CHOICES if c != "split")  # named: the offload run too, needed or not
+WHOLE = tuple(c for c in CHOICES if not CHOICE_OF[c].parts)  # named: the offload run too, needed or not
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +48,9 @@ def profiled():
 
 def test_every_uniform_choice_predicts_what_it_measured(profiled):
     _, _, prof = profiled
-    # every choice but split, which needs `checkpoint.submodules` (tests/plan/test_plan_parts.py)
-    assert prof.device == "cuda" and prof.choices() == tuple(c for c in CHOICES if c != "split"), prof.notes
+    # every choice but split and split_offload, which need `checkpoint.submodules`
+    # (tests/plan/test_plan_parts.py)
+    assert prof.device == "cuda" and prof.choices() == WHOLE, prof.notes
     assert prof.d2h_gbps > 1 and prof.h2d_gbps > 1
     for c in prof.choices():
         _, peak = predict(prof, (c,) * len(prof.blocks))

@@ -15,11 +15,13 @@ from torch import nn
 
 from actcfg.errors import PlanError, PolicyApplyError
 from actcfg.plan import CHOICES, predict, smallest_peak, solve
+from actcfg.plan.model import CHOICE_OF
 from actcfg.plan.profile import measure_steps, profile, saved_bytes
 from actcfg.api import apply
 from _helpers import Layer, watch_host_pools
 
-WHOLE = tuple(c for c in CHOICES if c != "split")  # the choices of a block planned whole (no parts named)
+# the choices of a block planned whole (no parts named)
+WHOLE = tuple(c for c in CHOICES if not CHOICE_OF[c].parts)
 
 # Each test profiles a training step per candidate choice on the CPU: the quick inner loop
 # (`pytest -m "not slow"`) leaves them to CI.

@@ -298,13 +298,15 @@ def test_every_choice_is_one_row_of_the_table():
     """Names, offloads, twins and rules all come from CHOICE_TABLE."""
     from actcfg.plan.model import CHOICE_TABLE
 
-    assert CHOICES == ("keep", "selective", "split", "full", "full_offload", "offload")
-    assert OFFLOADS == {"full_offload", "offload"} and COUNTERPART == {"full_offload": "full", "offload": "keep"}
+    assert CHOICES == ("keep", "selective", "split", "full", "full_offload", "split_offload", "offload")
+    assert OFFLOADS == {"full_offload", "split_offload", "offload"} and COUNTERPART == {
+        "full_offload": "full", "split_offload": "split", "offload": "keep"}
+    assert {c.name for c in CHOICE_TABLE if c.parts} == {"split", "split_offload"}
     rules = {c.name: c.rule(("m",)) for c in CHOICE_TABLE}
     assert {n: (r.mode, r.cpu_checkpointing) for n, r in rules.items()} == {
         "keep": ("none", False), "selective": ("selective", False), "split": ("full", False),
         "full": ("full", False),
-        "full_offload": ("full", True), "offload": ("none", True)}
+        "full_offload": ("full", True), "split_offload": ("full", True), "offload": ("none", True)}
 
 
 def test_solve_imports_no_torch():
