@@ -255,7 +255,7 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
         # warm-up: pinned pools, allocator, kernels; compiled, until the graphs are all built.
         # Every run, the on-device ones after keep too: without it, one probed step per choice
         # was that policy's first step, and on an H200 plan_bench's mixed plans then measured
-        # up to 17% off their predicted step time (within 3% with it).
+        # up to 17% off their predicted step time (within 5% with it).
         with _warming(warmed, spent, handle):
             if compiled:
                 spent.append(warm_up(lambda: probe.step(model, args, kwargs, loss_fn, outputs_held)))
