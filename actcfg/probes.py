@@ -3,6 +3,6 @@
 They live in `actcfg.verification.models`; this module keeps the documented spelling working.
 """
 
-from actcfg.verification.models import Block, BlockStack, blocks, linear_chain
+from actcfg.verification.models import Block, BlockStack, PartedBlock, blocks, linear_chain
 
-__all__ = ["Block", "BlockStack", "blocks", "linear_chain"]
+__all__ = ["Block", "BlockStack", "PartedBlock", "blocks", "linear_chain"]

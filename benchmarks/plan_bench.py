@@ -5,6 +5,9 @@
 Workloads (one model built per workload and reused; each variant applied, measured, removed):
 
 * `blocks`: the block stack (8 blocks, d_model 2048, batch 8, sequence 2048, bf16; `actcfg.probes.blocks`).
+* `blocks-parts`: the same arithmetic with each block's attention and MLP as submodules
+  (`actcfg.probes.blocks(parts=True)`, `PartedBlock`), whose parts hold the block's activations:
+  split + offload recomputes one half at a time, below the checkpoint-every-block peak.
 * `llama`: a Hugging Face Llama decoder stack (8 layers, hidden 2048, batch 4, sequence 2048, bf16,
   random weights), as in benchmarks/composition_bench.py.
 * `seed`: the seed chain (10 x Linear(2000, 2000), fp16; `actcfg.probes.linear_chain`), for the
@@ -15,8 +18,8 @@ uniform policies (checkpoint every k in 1, 2, 4; selective; checkpoint + cpu_che
 everything offloaded), and a plan for each budget: 25%, 50% and 75% of the way from the
 checkpoint-every-block peak to the plain peak, that peak itself, and halfway to it from the
 offload floor (the least of the offload-everything peak and the smallest plan) (seed: the
-offload-all peak and one layer input above it; blocks also at torchtune's offload peak). The
-blocks and the Llama layers are profiled with `checkpoint.submodules: children`, so a plan may
+offload-all peak and one layer input above it; both block stacks also at torchtune's offload
+peak). The blocks and the Llama layers are profiled with `checkpoint.submodules: children`, so a plan may
 checkpoint a block's parts one by one. A time counts only
 beside its proof: gradients equal to plain within 2e-2 relative (bf16; fp16 1e-2), a plan's
 measured peak within its budget, a checkpoint's peak below plain, an offload's bytes moved.
@@ -116,6 +119,11 @@ def blocks() -> tuple[nn.Module, Any]:
     return probes.blocks()
 
 
+def blocks_parts() -> tuple[nn.Module, Any]:
+    torch.manual_seed(0)
+    return probes.blocks(parts=True)
+
+
 def seed() -> tuple[nn.Module, Any]:
     torch.manual_seed(0)
     return probes.linear_chain()
@@ -124,6 +132,11 @@ def seed() -> tuple[nn.Module, Any]:
 WORKLOADS = {
     "blocks": Workload("blocks", blocks, ("Block",), "Block", torch.bfloat16, 8 * 2048 * 2048 * 2,
                        "children"),
+    # the same stack with each block's attention and MLP as submodules (`PartedBlock`, the same
+    # arithmetic): parts that hold the block's activations, which split + offload recomputes one
+    # at a time (`Block`'s children are single layers: its parts hold almost what keep does)
+    "blocks-parts": Workload("blocks-parts", blocks_parts, ("PartedBlock",), "PartedBlock", torch.bfloat16,
+                             8 * 2048 * 2048 * 2, "children"),
     "llama": Workload("llama", llama, ("LlamaDecoderLayer",), "LlamaDecoderLayer", torch.bfloat16,
                       4 * 2048 * 2048 * 2, "children"),
     "seed": Workload("seed", seed, ("Linear",), "Linear", torch.float16, 256 * 256 * 2000 * 2),
@@ -271,7 +284,7 @@ def bench(w: Workload, args: argparse.Namespace, bw: tuple[float, float]) -> tup
         budgets = [(f"{int(f * 100)}% (checkpoint-every-block peak + {int(f * 100)}% of the way to plain)",
                     int(low + f * (plain.peak - low))) for f in (0.0, 0.25, 0.5, 0.75)]
         budgets[0] = ("the checkpoint-every-block peak", low)
-        if w.name == "blocks":
+        if w.name.startswith("blocks"):  # torchtune's peak was measured on this arithmetic
             budgets.append(("torchtune's offload peak", int(args.torchtune_peak)))
         # The offload floor: the least of offloading everything (measured) and the smallest peak
         # any plan reaches (predicted); on the blocks stack offloading everything peaks above
@@ -509,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--workloads", default="blocks,llama,seed")
+    ap.add_argument("--workloads", default="blocks,blocks-parts,llama,seed")
     ap.add_argument("--compile", action="store_true",
                     help="also torch.compile with activation_memory_budget 0.5 and 0.1 (slow)")
     ap.add_argument("--torchtune-peak", type=float, default=TORCHTUNE_BLOCKS_PEAK,

@@ -380,3 +380,67 @@ def test_gpu_split_offload_plans_below_the_checkpoint_every_block_peak_and_fits(
     assert peak <= budget < checkpoint_peak, (plan.choices, peak, budget, checkpoint_peak)
     assert peak == pytest.approx(plan.peak, rel=0.05)
     assert_grads_within(got, grads_of(plain, as_float=True), 2e-2)
+
+
+# --- the probe's PartedBlock: Block's arithmetic, its halves as parts ---------------------------
+
+
+def test_parted_block_is_block_with_its_halves_as_submodules():
+    """`actcfg.probes.blocks(parts=True)` computes what `Block` computes, weight for weight:
+    the same output and the same gradients, so plans on it measure the probe stack's work."""
+    from actcfg.probes import Block, PartedBlock
+
+    torch.manual_seed(0)
+    block, parted = Block(64, 4, 256), PartedBlock(64, 4, 256)
+    names = {"attn.norm": "norm1", "attn.qkv": "qkv", "attn.proj": "proj",
+             "mlp.norm": "norm2", "mlp.fc1": "fc1", "mlp.fc2": "fc2"}
+    with torch.no_grad():
+        for mine, theirs in names.items():
+            for kind in ("weight", "bias"):
+                parted.get_parameter(f"{mine}.{kind}").copy_(block.get_parameter(f"{theirs}.{kind}"))
+    x = torch.randn(2, 16, 64)
+    out_block, out_parted = block(x), parted(x)
+    torch.testing.assert_close(out_parted, out_block, rtol=0, atol=0)
+    out_block.square().mean().backward()
+    out_parted.square().mean().backward()
+    for mine, theirs in names.items():
+        torch.testing.assert_close(parted.get_parameter(f"{mine}.weight").grad,
+                                   block.get_parameter(f"{theirs}.weight").grad, rtol=0, atol=0)
+
+
+def test_a_parted_probe_stack_plans_below_its_checkpoint_every_block_peak():
+    """On the probe stack with parts (attention and MLP halves), each half's input offloaded
+    takes the smallest plan below checkpointing every block, which recomputes a whole block at
+    once in backward; the plan at a budget between fits, as predicted, with plain gradients."""
+    from actcfg.probes import blocks
+    from actcfg.runtime.offload import host_loopback
+
+    torch.manual_seed(0)
+    model, x = blocks(n=4, d_model=64, heads=4, ffn=256, batch=4, seq=1024, dtype=torch.float32,
+                      device="cpu", parts=True)
+    with host_loopback():
+        _plan_below_the_checkpoint_peak(model, x)
+
+
+def _plan_below_the_checkpoint_peak(model: nn.Module, x: torch.Tensor) -> None:
+    prof = profile(model, ("PartedBlock",), x, apply=apply, submodules="children",
+                   choices=WITH_SPLIT_OFFLOAD)
+    assert "split_offload" in prof.choices(), prof.notes
+    with apply(model, {"version": 1, "checkpoint": {"mode": "full", "modules": ["PartedBlock"]}}):
+        _, checkpoint_peak = measure_steps(model, x, steps=1)
+    lowest = smallest_peak(prof)
+    assert lowest < checkpoint_peak, (lowest, checkpoint_peak)
+    budget = (lowest + checkpoint_peak) // 2
+    plan = solve(prof, budget)
+    assert "split_offload" in plan.choices and plan.peak <= budget
+    plain = copy.deepcopy(model)
+    measure_steps(plain, x, steps=1)
+    source = Policy.model_validate({"version": 1, "checkpoint": {"mode": "auto", "modules": ["PartedBlock"],
+                                                                 "submodules": "children"},
+                                    "memory_budget": budget})
+    with apply(model, plan_policy(plan, source)):
+        _, peak = measure_steps(model, x, steps=1)
+        got = grads_of(model)
+    assert peak <= budget, (plan.choices, peak, budget)
+    assert peak == pytest.approx(plan.peak, rel=0.05)
+    assert_grads_close(got, grads_of(plain))
