@@ -669,6 +669,9 @@ def search_variant(key: str, shape: Shape, args: argparse.Namespace, log: Callab
             raise Stop
         r = run_length(key, shape, length, args.steps, int(min(args.child_timeout, left - 20)),
                        not args.no_expandable_segments)
+        # Stamped, so a report that resumes runs of several calls says which versions ran each.
+        r.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                 transformers=version("transformers"))
         outcome.runs[length] = r
         if r.get("unavailable"):
             outcome.unavailable = r["unavailable"]
@@ -767,9 +770,11 @@ def targets(outcomes: dict[str, Outcome]) -> list[str]:
         # that fit every length it tried is not shown shorter, whatever those lengths were).
         beaten = {k: o.search.shortest_failing is not None and o.search.shortest_failing <= mine
                   for k, o in peers.items()}
-        said = ", ".join(f"{o.label} {_k(o.search.longest)} fit, "
-                         + (f"{_k(o.search.shortest_failing)} did not" if o.search.shortest_failing
-                            else "longer not tried") for o in peers.values())
+        said = ", ".join(f"{o.label} "
+                         + (f"{_k(o.search.longest)} fit, " if o.search.longest else "")
+                         + (f"{_k(o.search.shortest_failing)} did not"
+                            + ("" if o.search.longest else " (nothing shorter run)")
+                            if o.search.shortest_failing else "longer not tried") for o in peers.values())
         row(f"actcfg's longest ({who}): longer than every peer",
             f"{_k(mine)} fit; {said}"
             + (f" ({_k(best.search.longest)} actcfg's longest tried: longer not tried)" if best.search.limit_reached else ""),
@@ -842,6 +847,19 @@ def bounds(o: Outcome, shape: Shape) -> list[str]:
     return out
 
 
+def _versions_by_row(meta: dict[str, Any], outcomes: dict[str, Outcome]) -> str:
+    """A sentence naming the transformers version each variant's runs had, where resumed rows
+    differ from this call's (HF's offload=True needs 5.24, the image had 5.17)."""
+    seen: dict[str, list[str]] = {}
+    for o in outcomes.values():
+        for v in sorted({r.get("transformers") or meta["transformers"] for r in o.runs.values()}):
+            seen.setdefault(v, []).append(o.label)
+    if len(seen) < 2:
+        return ""
+    return " Rows by the transformers they ran with: " + "; ".join(
+        f"{v}: {', '.join(labels)}" for v, labels in sorted(seen.items())) + "."
+
+
 def render(meta: dict[str, Any], outcomes: dict[str, Outcome], shape: Shape) -> str:
     cap = f", each process capped at {shape.memory_cap_gib:g} GiB" if shape.memory_cap_gib else ""
     out = [f"Measured {meta['date']} on {meta['gpu']}, torch {meta['torch']}, transformers "
@@ -857,7 +875,8 @@ def render(meta: dict[str, Any], outcomes: dict[str, Outcome], shape: Shape) -> 
               if meta["steps"] else
               "this call ran the first step only (--steps 0: whether a length fits), as its rows say; "
               "rows resumed from an earlier call keep that call's steady state; ")
-           + f"allocator: {meta['alloc_conf'] or 'defaults'}.",
+           + f"allocator: {meta['alloc_conf'] or 'defaults'}."
+           + _versions_by_row(meta, outcomes),
            ""]
     if meta["jobs"] > 1:
         out += [f"Variants ran {meta['jobs']} at a time on one GPU: their times share it and are not "
@@ -931,6 +950,11 @@ def plot(outcomes: dict[str, Outcome], path: Path, shape_name: str) -> None:
             bars.text(0, i, " effect missing", va="center", color="red", fontsize=8)
         elif o.search.limit_reached:
             bars.text(values[i], i, " (longer not tried)", va="center", fontsize=8)
+        if o.search.shortest_failing is not None:  # where it ran out: a mark, with or without a bar
+            bars.plot([o.search.shortest_failing / 1024], [i], marker="x", color="tab:red")
+            if o.search.longest is None:
+                bars.text(o.search.shortest_failing / 1024, i, f" out of memory at {_k(o.search.shortest_failing)}"
+                          " (nothing shorter run)", va="center", fontsize=8)
     bars.set_xlabel("longest sequence that fit (k tokens)")
     bars.set_title(f"{shape_name}: longest sequence per variant")
     bars.invert_yaxis()
@@ -1016,8 +1040,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     # No CUDA context here (is_available does not make one): the GPU's memory is the children's.
-    if not torch.cuda.is_available():
-        print("max_seq_bench needs a CUDA GPU", file=sys.stderr)
+    # Every length asked for already measured (--resume with --at): the report is re-rendered
+    # from those runs, which needs no GPU.
+    rerender = bool(given) and all(n in args.earlier.get(k, {}) for k, ns in given.items() for n in ns)
+    if not torch.cuda.is_available() and not rerender:
+        print("max_seq_bench needs a CUDA GPU (on another machine, it re-renders a report from "
+              "--resume with --at naming only lengths already measured)", file=sys.stderr)
         return 2
     if args.jobs > 1:
         total = torch.cuda.get_device_properties(0).total_memory  # side by side, each is capped anyway
@@ -1041,11 +1069,18 @@ def main(argv: list[str] | None = None) -> int:
                    for k in order}
         outcomes = {k: futures[k].result() for k in keys}
     compare_at(outcomes, shape, args, log)
-    measured = next((r for o in outcomes.values() for r in o.runs.values() if r.get("gpu")), {})
+    runs = [r for o in outcomes.values() for r in o.runs.values()]
+    fresh = [r for o in outcomes.values() for n, r in o.runs.items()
+             if r is not args.earlier.get(o.key, {}).get(n)]
+    # A call that only re-renders resumed runs is dated and versioned by its newest run, not by
+    # the machine that rendered it.
+    newest = max(runs, key=lambda r: r.get("date") or "", default={}) if not fresh else {}
+    measured = next((r for r in runs if r.get("gpu")), {})
     meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": newest.get("date") or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": measured.get("gpu", "no run measured"), "torch": measured.get("torch", torch.__version__),
-        "transformers": version("transformers"), "shape_name": args.shape, "shape": asdict(shape),
+        "transformers": newest.get("transformers") or version("transformers"),
+        "shape_name": args.shape, "shape": asdict(shape),
         "steps": args.steps, "jobs": args.jobs, "wall_s": time.perf_counter() - t0,
         "alloc_conf": alloc_conf(not args.no_expandable_segments),
         "searched": not given,
@@ -1080,7 +1115,9 @@ def earlier_runs(path: Path | None, shape: Shape) -> dict[str, dict[int, dict[st
     if earlier_shape != asdict(shape):
         raise ValueError(f"--resume {path}: measured another shape ({earlier_shape}); pass the same "
                          "--shape and overrides")
-    return {k: {int(n): r for n, r in v["runs"].items() if not r.get("timed_out")}
+    # Runs from before runs were stamped take their file's date and versions.
+    stamp = {"date": data["meta"].get("date"), "transformers": data["meta"].get("transformers")}
+    return {k: {int(n): {**stamp, **r} for n, r in v["runs"].items() if not r.get("timed_out")}
             for k, v in variants.items() if k in VARIANTS}
 
 

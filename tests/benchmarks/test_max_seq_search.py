@@ -167,8 +167,46 @@ def test_without_a_gpu_the_benchmark_says_so_and_writes_nothing(bench, tmp_path,
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     assert bench.main(["--shape", "small", "--out", str(tmp_path / "out")]) == 2
-    assert capsys.readouterr().err == "max_seq_bench needs a CUDA GPU\n"
+    assert capsys.readouterr().err.startswith("max_seq_bench needs a CUDA GPU (on another machine, it re-renders")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_report_of_runs_already_measured_renders_anywhere_and_says_which_versions_ran_each(bench, tmp_path, capsys):
+    """--resume with --at naming only measured lengths re-renders the report (no GPU needed, none
+    run); runs of two calls with different transformers are said per row, the report is dated by
+    its newest run, and a peer that ran out of memory at the only length it ran says so."""
+    k = 1024
+    shape = bench.SHAPES["3b"]
+    hf = _run(192 * k, steady=65.7)
+    hf.pop("date", None)
+    earlier = {"meta": {"shape": dataclasses.asdict(shape), "date": "2026-12-01T00:00:00+00:00",
+                        "transformers": "5.17.0"}, "variants": {
+        "hf-checkpointing": {"runs": {str(192 * k): hf, str(224 * k): {"fits": False, "why": "out of GPU memory"}}},
+        "actcfg-checkpoint-cpu": {"runs": {str(192 * k): _run(192 * k, steady=66.0, engine=True),
+                                           str(320 * k): _run(320 * k, steady=172.0, engine=True)}},
+        "torchtune-offload": {"runs": {str(320 * k): {"fits": False, "why": "out of GPU memory",
+                                                      "date": "2026-12-02T05:37:39+00:00",
+                                                      "transformers": "5.24.0"}}}}}
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps(earlier))
+    at = ["--at", "hf-checkpointing=192k,224k", "--at", "actcfg-checkpoint-cpu=192k,320k",
+          "--at", "torchtune-offload=320k"]
+    out = tmp_path / "out"
+    assert bench.main(["--steps", "0", "--resume", str(path), *at, "--out", str(out)]) == 0
+    report = (out / "max_seq.md").read_text()
+    assert report.startswith("Measured 2026-12-02T05:37:39+00:00 on ")
+    assert ("Rows by the transformers they ran with: 5.17.0: HF gradient_checkpointing_enable(), actcfg "
+            "checkpoint + cpu_checkpointing; 5.24.0: torchtune OffloadActivations.") in report
+    assert "torchtune OffloadActivations 320k did not (nothing shorter run)" in report
+    assert "| yes |" in report.split("longer than every peer")[1].splitlines()[0]
+    saved = json.loads((out / "max_seq.json").read_text())
+    assert saved["variants"]["hf-checkpointing"]["runs"][str(192 * k)]["transformers"] == "5.17.0"
+    import torch
+
+    if not torch.cuda.is_available():  # a length not yet measured still needs the GPU
+        assert bench.main(["--steps", "0", "--resume", str(path), "--at", "torchtune-offload=288k",
+                           "--out", str(tmp_path / "more")]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
 def test_unknown_variants_and_a_broken_grid_are_usage_errors(bench, tmp_path, capsys):
