@@ -123,6 +123,22 @@ def ds_route(model: nn.Module) -> None:
         block.forward = functools.partial(deepspeed.checkpointing.checkpoint, inner)
 
 
+def init_deepspeed() -> str | None:
+    """A one-rank NCCL group for DeepSpeed's checkpointing (its version), or None where
+    DeepSpeed does not import."""
+    try:
+        import deepspeed
+    except ImportError:
+        return None
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    deepspeed.init_distributed(dist_backend="nccl")
+    return deepspeed.__version__
+
+
 def ds_configure(cpu: bool) -> None:
     import deepspeed
 
@@ -313,18 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        import deepspeed
-
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29533")
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        deepspeed.init_distributed(dist_backend="nccl")
-        have_ds, ds_version = True, deepspeed.__version__
-    except ImportError:
-        have_ds, ds_version = False, None
+    ds_version = init_deepspeed()
+    have_ds = ds_version is not None
     try:
         import torchtune  # noqa: F401
 

@@ -19,7 +19,11 @@ everything offloaded), and a plan for each budget: 25%, 50% and 75% of the way f
 checkpoint-every-block peak to the plain peak, that peak itself, and halfway to it from the
 offload floor (the least of the offload-everything peak and the smallest plan) (seed: the
 offload-all peak and one layer input above it; both block stacks also at torchtune's offload
-peak). The blocks and the Llama layers are profiled with `checkpoint.submodules: children`, so a plan may
+peak, measured in the same run where torchtune imports), and --frontier more evenly from the
+offload floor to plain: the frontier, drawn as one line against the uniform policies and, on the
+block stacks, the peers used as their docs say (torch `save_on_cpu` and torchtune's
+`OffloadActivations` around the forward, DeepSpeed's checkpoint with `checkpoint_in_cpu` on each
+block, where they import). The blocks and the Llama layers are profiled with `checkpoint.submodules: children`, so a plan may
 checkpoint a block's parts one by one. A time counts only
 beside its proof: gradients equal to plain within 2e-2 relative (bf16; fp16 1e-2), a plan's
 measured peak within its budget, a checkpoint's peak below plain, an offload's bytes moved.
@@ -36,6 +40,7 @@ Not run in CI: it needs a GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import statistics
@@ -70,7 +75,7 @@ installable on the GPU machine); measured instead when torchtune imports."""
 @dataclass
 class Row:
     workload: str
-    kind: str  # plain | uniform | plan | compile | compiled plan
+    kind: str  # plain | uniform | peer | plan | frontier | compile | compiled plan
     variant: str
     budget: int | None = None
     step_ms: float = 0.0
@@ -149,14 +154,17 @@ def _call(model: nn.Module, inputs: Any) -> Any:
     return model(*inputs) if isinstance(inputs, tuple) else model(inputs)
 
 
-def measure(model: nn.Module, inputs: Any, steps: int) -> tuple[float, int]:
+def measure(model: nn.Module, inputs: Any, steps: int,
+            context: Callable[[], Any] = contextlib.nullcontext) -> tuple[float, int]:
     """(median step ms, largest peak above each step's start) over `steps` after two warm-ups.
 
     The step is written as a training loop writes it and as the planner measures it
     (`actcfg.plan.profile.measure_steps`): the output is held until backward ends. Dropping it
     before backward (as this did until 2026-12-01) frees one output (a block input on the blocks
     stack) that the planner counts, so the checkpoint-every-block row read 1.939 GiB against the
-    2.002 GiB its own profile measured for the same policy, and no plan could meet it."""
+    2.002 GiB its own profile measured for the same policy, and no plan could meet it.
+    `context` wraps the forward alone, as a peer's docs say to use it (torch's save_on_cpu,
+    torchtune's OffloadActivations)."""
     times, peaks = [], []
     for i in range(steps + 2):
         model.zero_grad(set_to_none=True)
@@ -165,7 +173,8 @@ def measure(model: nn.Module, inputs: Any, steps: int) -> tuple[float, int]:
         torch.cuda.reset_peak_memory_stats()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        output = _call(model, inputs)
+        with context():
+            output = _call(model, inputs)
         default_loss(output).backward()
         end.record()
         del output
@@ -191,12 +200,12 @@ def rel_err(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> flo
 
 
 def run(w: Workload, model: nn.Module, inputs: Any, row: Row, setup: Callable[[], Any], steps: int,
-        ref: dict | None, bw: tuple[float, float]) -> Row:
+        ref: dict | None, bw: tuple[float, float], context: Callable[[], Any] = contextlib.nullcontext) -> Row:
     handle = None
     try:
         handle = setup()
         target = handle if isinstance(handle, nn.Module) else model  # torch.compile returns a module
-        row.step_ms, row.peak = measure(target, inputs, steps)
+        row.step_ms, row.peak = measure(target, inputs, steps, context)
         grads = grads_of(model)
         engine = getattr(handle, "engine", None)
         if engine is not None:
@@ -214,7 +223,8 @@ def run(w: Workload, model: nn.Module, inputs: Any, row: Row, setup: Callable[[]
         row.grad_rel_err = rel_err(grads, ref["grads"])
         if not row.grad_rel_err <= TOL[w.dtype]:
             failed.append(f"gradients differ from plain (max rel. error {row.grad_rel_err:.2e})")
-        if row.kind == "uniform" and "checkpoint" in row.variant and w.name != "seed" and row.peak >= ref["peak"]:
+        if (row.kind == "uniform" and "checkpoint" in row.variant or row.kind == "peer") \
+                and w.name != "seed" and row.peak >= ref["peak"]:
             failed.append(f"peak {row.peak / GiB:.2f} GiB not below plain {ref['peak'] / GiB:.2f} GiB")
     if row.budget is not None and row.peak > row.budget:
         failed.append(f"peak {row.peak / GiB:.3f} GiB above the budget {row.budget / GiB:.3f} GiB")
@@ -240,8 +250,56 @@ def uniform_variants(w: Workload) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def plan_row(w: Workload, prof: Any, budget: int, label: str, source: Policy) -> tuple[Row, Policy | None]:
-    row = Row(w.name, "plan", f"plan at {label}", budget=budget)
+class _Undo:
+    """A peer's setup, undone by `remove()` as actcfg's handles are."""
+
+    def __init__(self, remove: Callable[[], None]) -> None:
+        self.remove = remove
+
+
+def peer_variants(model: nn.Module, inputs: torch.Tensor, have_ds: bool
+                  ) -> list[tuple[str, Callable[[], Any], Callable[[], Any]]]:
+    """The peers on a block stack's frontier, each used as its docs say: (name, setup, context
+    around the forward). torchtune and DeepSpeed where they import."""
+    from offload_bench import _built_once
+
+    out: list[tuple[str, Callable[[], Any], Callable[[], Any]]] = [
+        ("torch save_on_cpu (pinned)", lambda: None,
+         lambda: torch.autograd.graph.save_on_cpu(pin_memory=True))]
+    try:
+        from torchtune.training import OffloadActivations  # noqa: F401
+
+        tt = _built_once()  # one context for the run, as torchtune's recipes build it
+        out.append(("torchtune OffloadActivations", lambda: None, lambda: tt(model)))
+    except ImportError:
+        pass
+    if have_ds:
+        out.append(("DeepSpeed checkpoint + checkpoint_in_cpu", lambda: deepspeed_checkpoint(model, inputs, cpu=True),
+                    contextlib.nullcontext))
+    return out
+
+
+def deepspeed_checkpoint(model: nn.Module, inputs: torch.Tensor, cpu: bool) -> _Undo:
+    """Every block through `deepspeed.checkpointing.checkpoint`, as DeepSpeed users write it."""
+    from offload_bench import block_modules, ds_configure, ds_route
+
+    ds_configure(cpu)
+    ds_route(model)
+    # DeepSpeed's checkpoint is reentrant: unless its input requires grad, no parameter inside
+    # gets a gradient (DeepSpeed's own tests set it on the input)
+    inputs.requires_grad_(True)
+
+    def undo() -> None:
+        for block in block_modules(model):
+            block.__dict__.pop("forward", None)
+        inputs.requires_grad_(False)
+        inputs.grad = None
+    return _Undo(undo)
+
+
+def plan_row(w: Workload, prof: Any, budget: int, label: str, source: Policy,
+             kind: str = "plan") -> tuple[Row, Policy | None]:
+    row = Row(w.name, kind, f"plan at {label}", budget=budget)
     try:
         plan = solve(prof, budget)
     except PlanError as e:
@@ -272,8 +330,16 @@ def bench(w: Workload, args: argparse.Namespace, bw: tuple[float, float]) -> tup
         rows.append(row)
         print(f"{w.name}: {name:48s} {row.step_ms:8.1f} ms  peak {row.peak / GiB:6.2f} GiB  "
               f"{row.skipped or row.proof}", flush=True)
+    if w.name.startswith("blocks"):
+        for name, setup, context in peer_variants(model, inputs, args.have_ds):
+            row = run(w, model, inputs, Row(w.name, "peer", name), setup, args.steps, ref, bw, context)
+            rows.append(row)
+            print(f"{w.name}: {name:48s} {row.step_ms:8.1f} ms  peak {row.peak / GiB:6.2f} GiB  "
+                  f"{row.skipped or row.proof}", flush=True)
     ckpt = next(r for r in rows if r.variant == "checkpoint every 1")
     everything = next(r for r in rows if r.variant == "offload everything")
+    torchtune = next((r for r in rows if r.variant == "torchtune OffloadActivations"
+                      and not r.skipped and r.proof == "ok"), None)
     budgets: list[tuple[str, int]] = []
     if w.name == "seed":
         low = everything.peak
@@ -284,8 +350,11 @@ def bench(w: Workload, args: argparse.Namespace, bw: tuple[float, float]) -> tup
         budgets = [(f"{int(f * 100)}% (checkpoint-every-block peak + {int(f * 100)}% of the way to plain)",
                     int(low + f * (plain.peak - low))) for f in (0.0, 0.25, 0.5, 0.75)]
         budgets[0] = ("the checkpoint-every-block peak", low)
-        if w.name.startswith("blocks"):  # torchtune's peak was measured on this arithmetic
-            budgets.append(("torchtune's offload peak", int(args.torchtune_peak)))
+        if torchtune is not None:  # measured in this run, in this benchmark's accounting
+            budgets.append(("torchtune's offload peak", torchtune.peak))
+        elif w.name.startswith("blocks"):  # torchtune's peak was measured on this arithmetic
+            budgets.append(("torchtune's offload peak (the issue's figure: torchtune does not import here)",
+                            int(args.torchtune_peak)))
         # The offload floor: the least of offloading everything (measured) and the smallest peak
         # any plan reaches (predicted); on the blocks stack offloading everything peaks above
         # checkpointing every block, so the floor is the planner's.
@@ -296,8 +365,14 @@ def bench(w: Workload, args: argparse.Namespace, bw: tuple[float, float]) -> tup
     source = Policy.model_validate({"version": 1, "checkpoint": {"mode": "auto", "modules": list(w.candidates),
                                                                  "submodules": w.submodules},
                                     "memory_budget": max(b for _, b in budgets)})
+    if w.name != "seed" and args.frontier:
+        # The frontier: plans at budgets spread evenly from the offload floor to plain, the
+        # curve the uniform policies and the peers are drawn against.
+        budgets += [(f"{i}/{args.frontier} of the way from the offload floor to plain (the frontier)",
+                     int(floor + i * (plain.peak - floor) / args.frontier)) for i in range(args.frontier + 1)]
     for label, budget in budgets:
-        row, rules = plan_row(w, prof, budget, label, source)
+        row, rules = plan_row(w, prof, budget, label, source,
+                              kind="frontier" if "(the frontier)" in label else "plan")
         if rules is not None:
             row = run(w, model, inputs, row, lambda rules=rules: apply(model, rules), args.steps, ref, bw)
         rows.append(row)
@@ -332,6 +407,8 @@ def bench(w: Workload, args: argparse.Namespace, bw: tuple[float, float]) -> tup
     print(f"{w.name}: uniform predicted peak / measured - 1: "
           + ", ".join(f"{c} {e:+.1%}" for c, e in peak_error.items()), flush=True)
     meta = {"profile_s": profile_s, "total_s": time.perf_counter() - t0, "blocks": [b.name for b in prof.blocks],
+            "block_saved": max((b.options["keep"].held for b in prof.blocks if "keep" in b.options), default=0),
+            "block_input": w.layer_input,
             "profiled_choices": list(prof.choices()), "profile_notes": list(prof.notes),
             "profile": prof.to_json(), "copy_windows": prof.copy_windows(),
             "predicted_uniform_ms": predicted_uniform, "uniform_peak_error": peak_error}
@@ -375,7 +452,7 @@ def best_uniform(rows: list[Row], workload: str, budget: int) -> Row | None:
     return min(fits, key=lambda r: r.step_ms, default=None)
 
 
-def targets(rows: list[Row], workloads: list[str]) -> list[str]:
+def targets(rows: list[Row], workloads: list[str], meta: dict | None = None) -> list[str]:
     lines = ["| workload | target | measured | met |", "|---|---|---|---|"]
 
     def add(w: str, text: str, value: str, ok: bool | None) -> None:
@@ -434,7 +511,45 @@ def targets(rows: list[Row], workloads: list[str]) -> list[str]:
             add(w, "halfway from the offload floor to the checkpoint peak: faster than offloading everything",
                 f"{halfway.step_ms:.1f} vs {everything.step_ms:.1f} ms",
                 halfway.step_ms < everything.step_ms and halfway.proof == "ok")
+        frontier = [r for r in rows if r.workload == w and r.kind == "frontier"]
+        if frontier:
+            ran = [r for r in frontier if not r.skipped]
+            close = [r for r in ran if abs(r.predicted_step_ms - r.step_ms) <= 0.05 * r.step_ms
+                     and abs(r.predicted_peak - r.peak) <= 0.05 * r.peak]
+            add(w, "the frontier: every plan within its budget, gradients equal to plain",
+                f"{sum(r.proof == 'ok' for r in ran)} of {len(frontier)} budgets"
+                + (f" ({len(frontier) - len(ran)} with no plan)" if len(ran) < len(frontier) else ""),
+                len(ran) == len(frontier) and all(r.proof == "ok" for r in ran))
+            add(w, "the frontier: predicted step time and peak within 5%", f"{len(close)} of {len(ran)}",
+                len(close) == len(ran))
+        info = (meta or {}).get("workloads", {}).get(w, {})
         ck = next((r for r in rows if r.workload == w and r.variant == "checkpoint every 1"), None)
+        ck_cpu = next((r for r in rows if r.workload == w and r.kind == "uniform"
+                       and r.variant.startswith("checkpoint + cpu_checkpointing") and not r.skipped), None)
+        if ck is not None and ck_cpu is not None and info.get("block_input"):
+            # issue 17: offloading the checkpointed inputs keeps at most two of the n on the device
+            n, one = len(info["blocks"]), info["block_input"]
+            add(w, f"checkpoint + cpu_checkpointing: peak <= checkpoint-only - (n - 2) block inputs "
+                   f"({n} blocks of {one / 2**20:.0f} MiB), step <= 1.01x checkpoint-only",
+                f"{ck_cpu.peak / GiB:.3f} vs {(ck.peak - (n - 2) * one) / GiB:.3f} GiB, "
+                f"{ck_cpu.step_ms / ck.step_ms:.3f}x",
+                ck_cpu.peak <= ck.peak - (n - 2) * one and ck_cpu.step_ms <= 1.01 * ck.step_ms
+                and ck_cpu.proof == "ok")
+        soc = next((r for r in rows if r.workload == w and r.kind == "peer" and r.variant.startswith("torch save_on_cpu")
+                    and not r.skipped and r.proof == "ok"), None)
+        if everything is not None and soc is not None and info.get("block_saved"):
+            over = (everything.peak - soc.peak) / info["block_saved"]
+            add(w, "offload everything: peak <= torch save_on_cpu's + one block's saved activations",
+                f"{everything.peak / GiB:.3f} vs {soc.peak / GiB:.3f} GiB: {over:+.2f} blocks' saved activations",
+                over <= 1.0 and everything.proof == "ok")
+        tt = next((r for r in rows if r.workload == w and r.variant == "torchtune OffloadActivations"
+                   and not r.skipped and r.proof == "ok"), None)
+        at_tt = next((p for p in plans if p.variant.startswith("plan at torchtune's offload peak")), None)
+        if tt is not None and at_tt is not None:
+            add(w, "at torchtune's offload peak: a plan that fits, no slower than torchtune",
+                at_tt.skipped or f"{at_tt.step_ms:.1f} vs {tt.step_ms:.1f} ms, "
+                                 f"{at_tt.peak / GiB:.3f} / {tt.peak / GiB:.3f} GiB",
+                not at_tt.skipped and at_tt.proof == "ok" and at_tt.step_ms <= tt.step_ms)
         # exactly the plan at that peak (the 25/50/75% plans' names begin the same way)
         at_ck = next((p for p in plans if p.variant == "plan at the checkpoint-every-block peak"), None)
         if ck is not None and at_ck is not None:
@@ -449,7 +564,8 @@ def targets(rows: list[Row], workloads: list[str]) -> list[str]:
 
 def render(meta: dict, rows: list[Row], workloads: list[str]) -> str:
     bw = meta["bandwidth_gbps"]
-    out = [f"Measured {meta['date']} on {meta['gpu']}, torch {meta['torch']}; median of {meta['steps']} "
+    peers = "".join(f", {k} {meta[k]}" for k in ("deepspeed", "torchtune") if meta.get(k))
+    out = [f"Measured {meta['date']} on {meta['gpu']}, torch {meta['torch']}{peers}; median of {meta['steps']} "
            f"steps after 2 warm-up steps; peak: the largest above a step's start. Copy bandwidth "
            f"{bw[0]:.1f} GB/s out, {bw[1]:.1f} GB/s back (pinned).", "",
            "| workload | variant | budget GiB | step ms | peak GiB | predicted ms / GiB | choices | grad rel. err | proof |",
@@ -472,7 +588,7 @@ def render(meta: dict, rows: list[Row], workloads: list[str]) -> str:
         time_ = f"{r.step_ms:.1f}" if r.proof == "ok" else "effect missing"
         out.append(f"| {r.workload} | {r.variant} | {budget} | {time_} | {r.peak / GiB:.3f} | {pred} | "
                    f"{choices} | {r.grad_rel_err:.1e} | {r.proof} |")
-    out += ["", "Targets:", "", *targets(rows, workloads), ""]
+    out += ["", "Targets:", "", *targets(rows, workloads, meta), ""]
     for w in workloads:
         m = meta["workloads"][w]
         ran = m.get("profiled_choices") or []
@@ -493,10 +609,22 @@ def plot(rows: list[Row], workloads: list[str], path: Path) -> None:
         return
     fig, axes = plt.subplots(1, len(workloads), figsize=(6.5 * len(workloads), 5), squeeze=False)
     for ax, w in zip(axes[0], workloads):
+        proven = [r for r in rows if r.workload == w and not r.skipped and r.proof == "ok"]
+        # actcfg's frontier as a line: its plans (frontier and named budgets) by peak
+        line = sorted((r for r in proven if r.kind in ("plan", "frontier")), key=lambda r: r.peak)
+        if line:
+            ax.plot([r.peak / GiB for r in line], [r.step_ms for r in line], color="tab:green", alpha=0.6,
+                    label="actcfg's frontier (plans by budget)", zorder=2)
+        for r in (r for r in proven if r.kind == "peer"):
+            marker, color = next((m, c) for key, m, c in (("save_on_cpu", "v", "tab:blue"),
+                                                          ("torchtune", "D", "tab:purple"),
+                                                          ("DeepSpeed", "X", "tab:brown"), ("", "h", "tab:cyan"))
+                                 if key in r.variant)
+            ax.scatter([r.peak / GiB], [r.step_ms], marker=marker, color=color, s=80, label=r.variant, zorder=3)
         for kind, marker, color in (("plain", "s", "black"), ("uniform", "o", "tab:gray"),
                                     ("compile", "^", "tab:orange"), ("plan", "*", "tab:green"),
                                     ("compiled plan", "P", "tab:red")):
-            rs = [r for r in rows if r.workload == w and r.kind == kind and not r.skipped and r.proof == "ok"]
+            rs = [r for r in proven if r.kind == kind]
             ax.scatter([r.peak / GiB for r in rs], [r.step_ms for r in rs], marker=marker, color=color,
                        s=140 if kind == "plan" else 50, label={"plain": "plain", "uniform": "uniform policies",
                                                                 "compile": "torch.compile budget",
@@ -518,6 +646,15 @@ def plot(rows: list[Row], workloads: list[str], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _version_of(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -525,6 +662,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="blocks,blocks-parts,llama,seed")
     ap.add_argument("--compile", action="store_true",
                     help="also torch.compile with activation_memory_budget 0.5 and 0.1 (slow)")
+    ap.add_argument("--frontier", type=int, default=8,
+                    help="plans at this many steps from the offload floor to plain, besides the named budgets")
     ap.add_argument("--torchtune-peak", type=float, default=TORCHTUNE_BLOCKS_PEAK,
                     help="bytes: torchtune's offload peak on blocks (default: the issue's 1.09 GiB)")
     args = ap.parse_args(argv)
@@ -533,6 +672,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = True
+    from offload_bench import init_deepspeed
+
+    ds_version = init_deepspeed() if any(n.startswith("blocks") for n in args.workloads.split(",")) else None
+    args.have_ds = ds_version is not None
     bw = copy_bandwidth()
     print(f"copy bandwidth GB/s: {bw[0]:.1f} out, {bw[1]:.1f} back", flush=True)
     names = [n for n in args.workloads.split(",") if n]
@@ -541,6 +684,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "actcfg": actcfg.__version__,
         "steps": args.steps, "bandwidth_gbps": bw, "compile": args.compile, "workloads": {},
+        "deepspeed": ds_version, "torchtune": _version_of("torchtune"),
     }
     for name in names:
         got, info = bench(WORKLOADS[name], args, bw)
