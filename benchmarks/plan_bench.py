@@ -480,9 +480,10 @@ def targets(rows: list[Row], workloads: list[str], meta: dict | None = None) -> 
                 add(w, f"{p.variant}: step / best uniform that fits ({best.variant}) <= {goal:.2f}"
                        + (" (a per-block mix)" if mixed else ""), f"{ratio:.3f}", ratio <= goal and p.proof == "ok")
             if p.bound_ms:
-                # The issue's engine targets: the seed chain offloaded within 1.05x its transfer
-                # bound where the budget allows keeping a layer; 1.10x at torchtune's peak.
-                goal = 1.05 if "+ 1 layer" in p.variant else 1.10 if "torchtune" in p.variant else None
+                # The issue's engine target: the seed chain offloaded within 1.05x its transfer
+                # bound where the budget allows keeping a layer (at torchtune's peak the target
+                # is torchtune's own step, judged below).
+                goal = 1.05 if "+ 1 layer" in p.variant else None
                 ratio = p.step_ms / p.bound_ms
                 add(w, f"{p.variant}: step / its transfer bound (max_inflight {p.max_inflight}, "
                        f"{p.kept_at_turn} kept at the turn)" + (f" <= {goal:.2f}" if goal else ""),
@@ -631,19 +632,36 @@ def plot(rows: list[Row], workloads: list[str], path: Path) -> None:
                                                                 "plan": "actcfg plans",
                                                                 "compiled plan": "actcfg plans, compile"}[kind],
                        zorder=3)
-            for r in rs:
-                ax.annotate(r.variant.replace("plan at ", "").split(" (")[0][:28], (r.peak / GiB, r.step_ms),
+            for r in rs if kind in ("uniform", "compile") else ():  # plans are on the line
+                ax.annotate(r.variant.replace("torch.compile activation_memory_budget", "compile budget")
+                            .split(" (")[0][:28], (r.peak / GiB, r.step_ms),
                             fontsize=7, xytext=(4, 3), textcoords="offset points")
         for r in rows:
             if r.workload == w and r.kind == "plan" and r.budget is not None:
                 ax.axvline(r.budget / GiB, color="tab:green", alpha=0.25, linestyle="--")
         ax.set_xlabel("peak GiB (above a step's start)")
-        ax.set_ylabel("step ms")
+        ax.set_ylabel("step ms (log scale)")
+        ax.set_yscale("log")  # the peers' offloads run 3-20x a plain step
         ax.set_title(f"{w}: step time against peak; dashed: budgets")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def render_from(path: Path, out: Path) -> int:
+    """plan_bench.md and plan_bench.png of the run `path` holds (its plan_bench.json)."""
+    try:
+        data = json.loads(path.read_text())
+        meta, rows = data["meta"], [Row(**r) for r in data["rows"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"plan_bench: --render-from {path}: not a plan_bench.json this benchmark wrote ({e})", file=sys.stderr)
+        return 2
+    names = list(meta["workloads"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan_bench.md").write_text(render(meta, rows, names))
+    plot(rows, names, out / "plan_bench.png")
+    return 0
 
 
 def _version_of(package: str) -> str | None:
@@ -666,9 +684,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="plans at this many steps from the offload floor to plain, besides the named budgets")
     ap.add_argument("--torchtune-peak", type=float, default=TORCHTUNE_BLOCKS_PEAK,
                     help="bytes: torchtune's offload peak on blocks (default: the issue's 1.09 GiB)")
+    ap.add_argument("--render-from", type=Path, default=None, metavar="PLAN_BENCH_JSON",
+                    help="write the report and picture of a run already measured (no GPU needed)")
     args = ap.parse_args(argv)
+    if args.render_from is not None:
+        return render_from(args.render_from, args.out)
     if not torch.cuda.is_available():
-        print("plan_bench needs a CUDA GPU", file=sys.stderr)
+        print("plan_bench needs a CUDA GPU (--render-from re-renders a measured run anywhere)", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = True
