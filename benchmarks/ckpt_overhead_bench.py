@@ -22,7 +22,9 @@ median to show drift); `issue ms`, the CPU time until backward returns, before s
 kernels' own time in one profiled step (equal kernel time and a different step time would be
 launch gaps); the aten ops and Python calls of one step; the peak above the step's start; the
 loss at a fixed seed (the same for every variant: same weights, RNG kept through the
-recompute); recomputes counted (actcfg). Writes ckpt_overhead_bench.json and .md to --out.
+recompute); recomputes counted (actcfg). Python calls are the calling thread's: on a GPU the
+backward (recomputes included) runs in autograd's device thread, so there they count the forward
+(the CPU counts both: tests/runtime/test_checkpoint_overhead.py). Writes ckpt_overhead_bench.json and .md to --out.
 """
 
 from __future__ import annotations
