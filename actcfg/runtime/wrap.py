@@ -412,9 +412,11 @@ def call_with_flat_tensors(
 # (a block's hidden states, mask, position ids and flags) is split without pytree.
 _ATOMS = frozenset({type(None), bool, int, float, str})
 
+_Rebuild = Callable[[Sequence[torch.Tensor]], tuple[tuple[Any, ...], dict[str, Any]]]
+"""Given the split-out tensors (or their stand-ins), the call's (args, kwargs) with them in place."""
 
-def _split_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]
-                   ) -> tuple[list[torch.Tensor], Callable[[Sequence[torch.Tensor]], tuple[tuple[Any, ...], dict[str, Any]]]]:
+
+def _split_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], _Rebuild]:
     """Every tensor in `args` and `kwargs` (inside containers too), and `rebuild(tensors)`, which
     gives the call back with those tensors in their places.
 
@@ -461,8 +463,7 @@ def _split_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]
     return tensors, rebuild
 
 
-def _split_by_pytree(args: tuple[Any, ...], kwargs: dict[str, Any]
-                     ) -> tuple[list[torch.Tensor], Callable[[Sequence[torch.Tensor]], tuple[tuple[Any, ...], dict[str, Any]]]]:
+def _split_by_pytree(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], _Rebuild]:
     """`_split_tensors` for a call with containers (lists, tuples, dicts, registered nodes)."""
     leaves, spec = tree_flatten((args, kwargs))
     at = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
