@@ -353,11 +353,7 @@ def call_with_flat_tensors(
     non-tensor leaves (None, numbers, strings) come back as they were, and a tensor that
     `owner` (the checkpointed module) holds goes around the checkpoint function unchanged.
     """
-    leaves, spec = tree_flatten((args, kwargs))
-    at = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-    tensors = [leaves[i] for i in at]
-    # Only non-tensor leaves stay in the closure: a tensor held here would outlive the offload.
-    template = [_TENSOR if isinstance(v, torch.Tensor) else v for v in leaves]
+    tensors, rebuild = _split_tensors(args, kwargs)
     dummy = 0
     if needs_grad_input and torch.is_grad_enabled() and not any(t.requires_grad for t in tensors):
         floating = next((i for i, t in enumerate(tensors) if t.is_floating_point()), None)
@@ -371,10 +367,7 @@ def call_with_flat_tensors(
     around: list[set[int]] = []  # output slots that go around the Function, fixed by the forward
 
     def run(*given: torch.Tensor) -> Any:
-        filled = list(template)
-        for i, t in zip(at, given[: len(given) - dummy] if dummy else given):
-            filled[i] = t
-        a, k = tree_unflatten(filled, spec)
+        a, k = rebuild(given[: len(given) - dummy] if dummy else given)
         out = fn(*a, **k)
         if not flat_outputs:
             return out
@@ -413,6 +406,76 @@ def call_with_flat_tensors(
         filled_out[i] = t
     out_spec.clear()  # the module's own tensors are not held past the call
     return tree_unflatten(filled_out, o_spec)
+
+
+# Argument values that are leaves for pytree whatever is registered: a call made only of these
+# (a block's hidden states, mask, position ids and flags) is split without pytree.
+_ATOMS = frozenset({type(None), bool, int, float, str})
+
+_Rebuild = Callable[[Sequence[torch.Tensor]], tuple[tuple[Any, ...], dict[str, Any]]]
+"""Given the split-out tensors (or their stand-ins), the call's (args, kwargs) with them in place."""
+
+
+def _split_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], _Rebuild]:
+    """Every tensor in `args` and `kwargs` (inside containers too), and `rebuild(tensors)`, which
+    gives the call back with those tensors in their places.
+
+    Only non-tensor values stay in `rebuild`'s closure: a tensor held there would outlive the
+    offload. A call whose values are all tensors or atoms is split by position and name, without
+    pytree: pytree's flatten and two unflattens (the forward's and the recompute's) cost about
+    40 us of Python per checkpointed call, more than the rest of actcfg's wrapper, on every block
+    of every step (`tests/runtime/test_checkpoint_overhead.py` pins the count).
+    """
+    tensors: list[torch.Tensor] = []
+    arg_at: list[int] = []
+    arg_template: list[Any] = []
+    for i, v in enumerate(args):
+        if isinstance(v, torch.Tensor):
+            arg_at.append(i)
+            tensors.append(v)
+            arg_template.append(None)
+        elif type(v) in _ATOMS:
+            arg_template.append(v)
+        else:
+            return _split_by_pytree(args, kwargs)
+    key_at: list[str] = []
+    key_template: dict[str, Any] = {}
+    for key, v in kwargs.items():
+        if isinstance(v, torch.Tensor):
+            key_at.append(key)
+            tensors.append(v)
+            key_template[key] = None
+        elif type(v) in _ATOMS:
+            key_template[key] = v
+        else:
+            return _split_by_pytree(args, kwargs)
+    n = len(arg_at)
+
+    def rebuild(given: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        a = list(arg_template)
+        for i, t in zip(arg_at, given):
+            a[i] = t
+        k = dict(key_template)
+        for key, t in zip(key_at, given[n:]):
+            k[key] = t
+        return tuple(a), k
+
+    return tensors, rebuild
+
+
+def _split_by_pytree(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], _Rebuild]:
+    """`_split_tensors` for a call with containers (lists, tuples, dicts, registered nodes)."""
+    leaves, spec = tree_flatten((args, kwargs))
+    at = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    template = [_TENSOR if isinstance(v, torch.Tensor) else v for v in leaves]
+
+    def rebuild(given: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        filled = list(template)
+        for i, t in zip(at, given):
+            filled[i] = t
+        return tree_unflatten(filled, spec)
+
+    return [leaves[i] for i in at], rebuild
 
 
 class _TensorSlot:
