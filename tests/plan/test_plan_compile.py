@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import actcfg  # noqa: E402
-from actcfg.errors import PolicyApplyError  # noqa: E402
+from actcfg.errors import PlanError, PolicyApplyError  # noqa: E402
 from actcfg.plan import plan_model  # noqa: E402
 from actcfg.plan.saved import saved_bytes  # noqa: E402
 from actcfg.policy.checker import load  # noqa: E402
@@ -140,10 +140,15 @@ def test_an_unknown_compile_backend_is_refused_naming_the_field():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("scope", [
     "blocks",
-    # With the whole model compiled, the profile reads the blocks with the graph broken at them;
-    # the plan is then measured compiled whole and solved again below what it went over
-    # (actcfg.plan._measured_whole), so its peak is a measured one.
-    "model",
+    # With the whole model compiled, the profile reads the blocks with the graph broken at them,
+    # and inductor partitions the whole graph otherwise. The plan is measured compiled whole and
+    # solved again below what it went over (actcfg.plan._measured_whole). On the H200
+    # (2026-12-02) every plan at this budget measured over it (733.6 MiB budget, the third plan
+    # 753.8 MiB), so planning is refused with a PlanError that says so, never a plan over its
+    # budget: `raises=PlanError` fails this test on any other failure (an over-budget peak is an
+    # AssertionError). strict: the day scope: model plans here, the mark comes off.
+    pytest.param("model", marks=pytest.mark.xfail(strict=True, raises=PlanError,
+                                                  reason="scope: model: no plan measured whole fits")),
 ])
 def test_on_the_gpu_a_compiled_plan_fits_its_budget_with_plain_gradients(scope):
     from actcfg.plan.profile import measure_steps
