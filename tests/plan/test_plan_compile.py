@@ -93,6 +93,24 @@ def test_a_compiled_plan_is_profiled_compiled_fits_and_trains_like_plain(scope):
 
 
 @pytest.mark.slow
+def test_a_per_block_compiled_profile_times_each_choice_in_a_few_steps():
+    """`scope: blocks`: the probe's hooks run around the compiled forwards, so taking them off
+    builds no graph, and the unprobed step is timed without a second warm-up (which was four
+    steps or more per choice: 37 model steps for three choices on this stack, now 15)."""
+    torch._dynamo.reset()
+    model, x = small_blocks(4)
+    steps: list[int] = []
+    model.register_forward_pre_hook(lambda module, args: steps.append(1))
+    planned = plan_model(model, load(policy("blocks")), x, apply=_apply_trial)
+    choices = planned.profile.choices()
+    # per choice: a warm-up that compiles and one that settles, a probed and an unprobed step,
+    # and its counting forward; never the second warm-up
+    assert len(steps) <= 5 * len(choices), (len(steps), choices)
+    assert planned.profile.compile_ms > 0 and planned.report.predicted_peak <= 80 * 2**10
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
 def test_apply_plans_compiled_in_one_call_and_logs_the_compile_time():
     torch._dynamo.reset()
     plain, x = small_blocks(4)
