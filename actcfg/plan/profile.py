@@ -293,7 +293,7 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
             return measure_steps(model, kwargs if kwargs else tuple(args), loss_fn=loss_fn,
                                  steps=1 if settled else steps, count=meter.memory, warm=True,
                                  outputs_held=outputs_held)[0]
-        graphs = _graphs_built()
+        graphs = _graphs_built() if compiled else 0  # dynamo is not imported for an eager profile
         unprobed = unprobed_steps()
         if compiled and not whole and _graphs_built() != graphs:  # it compiled: not a timing
             spent.append(warm_up(unprobed_steps))
