@@ -626,6 +626,8 @@ def plot(rows: list[Row], workloads: list[str], path: Path) -> None:
                                     ("compile", "^", "tab:orange"), ("plan", "*", "tab:green"),
                                     ("compiled plan", "P", "tab:red")):
             rs = [r for r in proven if r.kind == kind]
+            if not rs:
+                continue  # no legend entry for what did not run
             ax.scatter([r.peak / GiB for r in rs], [r.step_ms for r in rs], marker=marker, color=color,
                        s=140 if kind == "plan" else 50, label={"plain": "plain", "uniform": "uniform policies",
                                                                 "compile": "torch.compile budget",
