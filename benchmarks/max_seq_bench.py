@@ -856,8 +856,9 @@ def _versions_by_row(meta: dict[str, Any], outcomes: dict[str, Outcome]) -> str:
             seen.setdefault(v, []).append(o.label)
     if len(seen) < 2:
         return ""
+    # labels hold commas of their own: each is quoted
     return " Rows by the transformers they ran with: " + "; ".join(
-        f"{v}: {', '.join(labels)}" for v, labels in sorted(seen.items())) + "."
+        f"{v}: {', '.join(repr(label) for label in labels)}" for v, labels in sorted(seen.items())) + "."
 
 
 def render(meta: dict[str, Any], outcomes: dict[str, Outcome], shape: Shape) -> str:

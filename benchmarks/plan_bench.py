@@ -517,9 +517,11 @@ def targets(rows: list[Row], workloads: list[str], meta: dict | None = None) -> 
             ran = [r for r in frontier if not r.skipped]
             close = [r for r in ran if abs(r.predicted_step_ms - r.step_ms) <= 0.05 * r.step_ms
                      and abs(r.predicted_peak - r.peak) <= 0.05 * r.peak]
+            none = sum(r.skipped.startswith("no plan fits") for r in frontier)
+            broke = len(frontier) - len(ran) - none  # a plan whose run raised
             add(w, "the frontier: every plan within its budget, gradients equal to plain",
                 f"{sum(r.proof == 'ok' for r in ran)} of {len(frontier)} budgets"
-                + (f" ({len(frontier) - len(ran)} with no plan)" if len(ran) < len(frontier) else ""),
+                + (f" ({none} with no plan)" if none else "") + (f" ({broke} whose run failed)" if broke else ""),
                 len(ran) == len(frontier) and all(r.proof == "ok" for r in ran))
             add(w, "the frontier: predicted step time and peak within 5%", f"{len(close)} of {len(ran)}",
                 len(close) == len(ran))
@@ -656,12 +658,13 @@ def render_from(path: Path, out: Path) -> int:
     try:
         data = json.loads(path.read_text())
         meta, rows = data["meta"], [Row(**r) for r in data["rows"]]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        print(f"plan_bench: --render-from {path}: not a plan_bench.json this benchmark wrote ({e})", file=sys.stderr)
+        names = list(meta["workloads"])
+        text = render(meta, rows, names)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        print(f"plan_bench: --render-from {path}: not a plan_bench.json this benchmark wrote ({e!r})", file=sys.stderr)
         return 2
-    names = list(meta["workloads"])
     out.mkdir(parents=True, exist_ok=True)
-    (out / "plan_bench.md").write_text(render(meta, rows, names))
+    (out / "plan_bench.md").write_text(text)
     plot(rows, names, out / "plan_bench.png")
     return 0
 

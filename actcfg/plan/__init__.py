@@ -10,6 +10,7 @@ dynamic program over the profile, `write` turns the choice into an explicit
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +81,7 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
     are counted everywhere already)."""
     from actcfg.errors import ActcfgError, PlanError
     from actcfg.plan.consensus import agree, group_of_ranks, one_profile, settle
+    from actcfg.plan.profile import measure_steps
     from actcfg.plan.profile import profile as run_profile
     from actcfg.plan.sharded import (WHILE_PROFILING, Steps, is_sharded, refuse_compile_across_ranks,
                                      refuse_unplannable)
@@ -93,6 +95,13 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
         _refuse_frozen(model)
         if across:
             refuse_compile_across_ranks(policy.compile is not None)
+        elif group is not None and policy.compile is not None and policy.compile.scope == "model":
+            # each rank would measure its own plan compiled whole and could refuse alone
+            raise PlanError(
+                "compile: {scope: model} on several ranks: its plan is measured compiled whole, a "
+                "reading of each rank's own, and ranks must agree on one plan; plan on one process "
+                "(`actcfg plan`, or a one-rank group) and pass the written plan on every rank, or "
+                "use compile: {scope: blocks}")
         checked = _checked_loss(loss_fn if loss_fn is not None else default_loss, loss_fn is None)
         split_inputs(inputs)  # a rank's unreadable batch: said here, before any collective
     except ActcfgError as e:
@@ -132,9 +141,14 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
         profiled = dataclasses.replace(
             profiled, plain_peak=predict(profiled, ("keep",) * len(profiled.blocks))[1])
     plan = solve(profiled, policy.memory_budget)
-    if policy.compile is not None and policy.compile.scope == "model" and profiled.device == "cuda" \
-            and not profiled.forward_grads and not profiled.accumulated_grads:
-        plan, profiled = _measured_whole(model, policy, profiled, plan, inputs, checked, apply, outputs_held)
+    if policy.compile is not None and policy.compile.scope == "model" and profiled.device == "cuda":
+        def measured(planned: Policy) -> int:
+            handle = apply(model, planned)
+            try:
+                return measure_steps(model, inputs, loss_fn=checked, steps=1, outputs_held=outputs_held)[1]
+            finally:
+                handle.remove()
+        plan, profiled = _measured_whole(model, policy, profiled, plan, measured)
     planned = plan_policy(plan, policy)
     text = policy_yaml(planned, plan, profiled, origin=origin)
     agree(text)
@@ -143,51 +157,53 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
 
 
 WHOLE_TRIES = 3
-"""How many mixed plans `_measured_whole` measures compiled before it gives up."""
+"""How many plans `_measured_whole` measures compiled whole before it gives up."""
 
 
-def _measured_whole(model: Any, policy: Policy, profiled: Profile, plan: Plan, inputs: Any, loss_fn: Any,
-                    apply: Apply, outputs_held: bool) -> tuple[Plan, Profile]:
-    """`compile: {scope: model}`: the plan measured as it will run, compiled whole, and solved
-    again below the budget by what it went over.
+def _measured_whole(model: Any, policy: Policy, profiled: Profile, plan: Plan,
+                    measured: Callable[[Policy], int]) -> tuple[Plan, Profile]:
+    """`compile: {scope: model}`: the plan measured as it will run, compiled whole
+    (`measured(rules)`: its peak above a step's start), and solved again below the budget by
+    what its prediction missed.
 
     The profile reads each block's bytes with hooks that break the compiled graph at the blocks;
     the whole graph of a mix of choices is partitioned differently by inductor (on an H200, the
     blocks stack at torch.compile's `activation_memory_budget` 0.1 point: 7 selective and 1 full
-    measured 5.329 GiB whole against 5.007 predicted, over a 5.221 GiB budget). One compile and
-    two steps per plan measured, counted with the compiles (`compile_ms`); the plan's peak is
-    then the measured one. On CUDA only, where a step's peak is the allocator's and the profile's
-    own (on the CPU the profile's bytes are an estimate that a measured step does not read). Not
-    for trainers whose gradients live across the step (`forward_grads`, `accumulated_grads`):
-    the measured step starts with none, and the plan's peak counts them."""
+    measured 5.329 GiB whole against 5.007 predicted, over a 5.221 GiB budget). Solved again at
+    the budget less that miss, the plan just measured no longer fits and the next is one the
+    same miss would still leave within the budget. One compile and two steps per plan measured,
+    counted with the compiles (`compile_ms`); the plan's peak is then the measured one. In a
+    trainer whose gradients live across the step (`forward_grads`, `accumulated_grads`) the
+    measured step starts without them: they are added to what it measured, which bounds the
+    step from above. On CUDA only, where a step's peak is the allocator's and the profile's own
+    (on the CPU the profile's bytes are an estimate that a measured step does not read)."""
     import time
 
     from actcfg.errors import PlanError
-    from actcfg.plan.profile import measure_steps
     from actcfg.units import memory_size
 
-    budget, spent = policy.memory_budget, 0.0
+    budget, spent, peak = policy.memory_budget, 0.0, 0
     for _ in range(WHOLE_TRIES):
+        rules = plan_policy(plan, policy)
+        _refuse_inexact(model, rules, plan)  # its sentence, before apply's about a rule never written
         started = time.perf_counter()
-        handle = apply(model, plan_policy(plan, policy))
         try:
-            _, peak = measure_steps(model, inputs, loss_fn=loss_fn, steps=1, outputs_held=outputs_held)
+            peak = measured(rules) + profiled.forward_grads + profiled.accumulated_grads
         finally:
-            handle.remove()
-        spent += (time.perf_counter() - started) * 1000.0
+            spent += (time.perf_counter() - started) * 1000.0
         if peak <= policy.memory_budget:
             plan = dataclasses.replace(plan, peak=peak)
             break
-        budget -= peak - policy.memory_budget
+        budget = min(budget, policy.memory_budget - (peak - plan.peak))
         try:
             plan = dataclasses.replace(solve(profiled, budget), budget=policy.memory_budget)
         except PlanError as e:
             raise PlanError(
                 f"compile: {{scope: model}}: the plan measured {memory_size(peak)} compiled whole, over "
-                f"memory_budget {memory_size(policy.memory_budget)} (its profile reads the blocks with "
-                f"the graph broken at them), and no plan fits {memory_size(budget)}, the budget less "
-                "what it went over; raise memory_budget, or use compile: {scope: blocks}, whose profile "
-                "is what runs") from e
+                f"memory_budget {memory_size(policy.memory_budget)} and {memory_size(peak - plan.peak)} "
+                "above its prediction (its profile reads the blocks with the graph broken at them), "
+                f"and no plan is predicted within {memory_size(budget)}, the budget less that; raise "
+                "memory_budget, or use compile: {scope: blocks}, whose profile is what runs") from e
     else:
         raise PlanError(
             f"compile: {{scope: model}}: {WHOLE_TRIES} plans measured compiled whole all went over memory_budget "

@@ -294,8 +294,10 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
                                  steps=1 if settled else steps, count=meter.memory, warm=True,
                                  outputs_held=outputs_held)[0]
         graphs = _graphs_built() if compiled else 0  # dynamo is not imported for an eager profile
+        started = time.perf_counter()
         unprobed = unprobed_steps()
         if compiled and not whole and _graphs_built() != graphs:  # it compiled: not a timing
+            spent.append((time.perf_counter() - started) * 1000.0)  # that call's time was compiling
             spent.append(warm_up(unprobed_steps))
             unprobed = unprobed_steps()
         moved = [0] * len(names)

@@ -195,8 +195,8 @@ def test_a_report_of_runs_already_measured_renders_anywhere_and_says_which_versi
     assert bench.main(["--steps", "0", "--resume", str(path), *at, "--out", str(out)]) == 0
     report = (out / "max_seq.md").read_text()
     assert report.startswith("Measured 2026-12-02T05:37:39+00:00 on ")
-    assert ("Rows by the transformers they ran with: 5.17.0: HF gradient_checkpointing_enable(), actcfg "
-            "checkpoint + cpu_checkpointing; 5.24.0: torchtune OffloadActivations.") in report
+    assert ("Rows by the transformers they ran with: 5.17.0: 'HF gradient_checkpointing_enable()', 'actcfg "
+            "checkpoint + cpu_checkpointing'; 5.24.0: 'torchtune OffloadActivations'.") in report
     assert "torchtune OffloadActivations 320k did not (nothing shorter run)" in report
     assert "| yes |" in report.split("longer than every peer")[1].splitlines()[0]
     saved = json.loads((out / "max_seq.json").read_text())

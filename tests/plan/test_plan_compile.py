@@ -15,11 +15,12 @@ torch = pytest.importorskip("torch")
 
 import actcfg  # noqa: E402
 from actcfg.errors import PlanError, PolicyApplyError  # noqa: E402
-from actcfg.plan import plan_model  # noqa: E402
+from actcfg.plan import plan_model, solve  # noqa: E402
 from actcfg.plan.saved import saved_bytes  # noqa: E402
 from actcfg.policy.checker import load  # noqa: E402
 from actcfg.api import _apply_trial  # noqa: E402
-from _helpers import assert_grads_close, assert_grads_within, grads_of, small_blocks, train_step  # noqa: E402
+from _helpers import (assert_grads_close, assert_grads_within, grads_of, offload_blocks, small_blocks,  # noqa: E402
+                      train_step)
 
 BLOCKS = ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
 
@@ -108,6 +109,56 @@ def test_a_per_block_compiled_profile_times_each_choice_in_a_few_steps():
     assert len(steps) <= 5 * len(choices), (len(steps), choices)
     assert planned.profile.compile_ms > 0 and planned.report.predicted_peak <= 80 * 2**10
     torch._dynamo.reset()
+
+
+def _eager_profile():
+    """A profile of the small stack (eager: the loop under test takes the measurement as given),
+    and a plan halfway between its smallest peak and plain's, which mixes choices."""
+    from actcfg.plan import smallest_peak
+
+    torch._dynamo.reset()
+    model, x = offload_blocks(4)  # activations large enough that the choices' peaks differ
+    eager = {"version": 1, "checkpoint": {"mode": "auto", "modules": ["Block"]}, "memory_budget": "1GiB"}
+    prof = plan_model(model, load(eager), x, apply=_apply_trial).profile
+    budget = (smallest_peak(prof) + prof.plain_peak) // 2
+    return model, prof, solve(prof, budget)
+
+
+def test_a_whole_model_plan_measured_over_its_budget_is_solved_again_below_what_its_prediction_missed():
+    """`_measured_whole` (CUDA only in use) with the measurement given: the first plan reads
+    one byte over the budget, the next is solved below the budget by that miss, and with the
+    same miss it fits; its peak is the measured one and the check's time counts as compiling."""
+    from actcfg.plan import _measured_whole
+
+    model, prof, first = _eager_profile()
+    budget = first.budget
+    miss = budget - first.peak + 1  # the first plan measures one byte over the budget
+    seen: list[dict[str, str]] = []
+
+    def measured(rules) -> int:
+        seen.append({m: r.mode for r in rules.checkpoint.rules for m in r.modules})
+        plan = first if len(seen) == 1 else solve(prof, first.peak - 1)
+        return plan.peak + miss
+
+    plan, after = _measured_whole(model, load(policy("model", str(budget))), prof, first, measured)
+    assert len(seen) == 2 and seen[0] != seen[1]  # a different plan, each measured once
+    assert plan.choices != first.choices and plan.budget == budget
+    assert plan.peak == solve(prof, first.peak - 1).peak + miss <= budget
+    assert after.compile_ms >= prof.compile_ms
+
+
+def test_a_whole_model_plan_that_never_fits_is_refused_saying_so():
+    from actcfg.plan import _measured_whole
+
+    model, prof, first = _eager_profile()
+    calls: list[int] = []
+
+    def measured(rules) -> int:
+        calls.append(1)
+        return first.budget + 2**20  # every plan a MiB over
+    with pytest.raises(PlanError, match=r"compile: \{scope: model\}: "):
+        _measured_whole(model, load(policy("model", str(first.budget))), prof, first, measured)
+    assert 1 <= len(calls) <= 3
 
 
 @pytest.mark.slow
