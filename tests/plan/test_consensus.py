@@ -181,3 +181,39 @@ def test_every_rank_applies_the_same_plan_and_it_fits_each(tmp_path, world):
         assert r["contended"] == ranks[0]["contended"]
         assert r["notes"][-1].startswith(f"copy bandwidth with {world} ranks copying at once: ")
         assert r["notes"][-1].endswith("(alone 1000000.0 and 1000000.0); the plan uses the lower")
+
+
+def _rank_plans_whole_compiled(rank: int, out_dir: str, port: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from actcfg.api import apply
+    from _helpers import small_blocks
+
+    init_group(rank, port, world=2)
+    model, x = small_blocks(2)
+    cfg = {"version": 1, "checkpoint": {"mode": "auto", "modules": ["Block"]}, "memory_budget": "1GiB",
+           "compile": {"scope": "model", "backend": "aot_eager"}}
+    try:
+        apply(model, cfg, inputs=x)
+        refused = ""
+    except PlanError as e:
+        refused = str(e)
+    write_result(out_dir, rank, {"refused": refused, "forward_is_eager": "forward" not in vars(model),
+                                 "dynamo_graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+                                 if "torch._dynamo.utils" in __import__("sys").modules else 0})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_whole_model_compiled_plan_is_refused_on_several_ranks_before_profiling(tmp_path):
+    """Each rank would measure its plan compiled whole on its own (`_measured_whole`), and the
+    ranks must agree on one plan: every rank refuses, before anything is compiled or profiled."""
+    gloo_or_skip()
+    ranks = run_ranks(_rank_plans_whole_compiled, tmp_path, world=2, timeout=TIMEOUT)
+    for r in ranks:
+        assert r["refused"].startswith("planning failed on rank 0 of 2 (and on rank 1) (before profiling): "
+                                       "compile: {scope: model} on several ranks: its plan is measured "
+                                       "compiled whole"), r
+        assert r["forward_is_eager"] and r["dynamo_graphs"] == 0
