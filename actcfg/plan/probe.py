@@ -22,8 +22,8 @@ from torch.utils._pytree import tree_flatten
 
 from actcfg.errors import PlanError
 
-__all__ = ["LiveBytes", "Meter", "Probe", "StepReading", "copy_bandwidth", "first_grad_tensor",
-           "gradient_bytes"]
+__all__ = ["Backward", "LiveBytes", "Meter", "Probe", "StepReading", "copy_bandwidth",
+           "first_grad_tensor", "gradient_bytes"]
 
 
 def first_grad_tensor(value: Any) -> torch.Tensor | None:
@@ -42,6 +42,41 @@ def gradient_bytes(model: nn.Module) -> int:
             storage = getattr(p.grad, "_local_tensor", p.grad).untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
+
+
+@dataclass(frozen=True)
+class Backward:
+    """How a profiled step runs its backward: `loss.backward()`, as a training loop does, unless
+    `apart` names parameters whose gradients are taken with `torch.autograd.grad` instead, so
+    that no hook on their gradient accumulation sees the profile (DeepSpeed's ZeRO-1/2:
+    `actcfg.plan.sharded.deepspeed_backward`); `buffers`: bytes allocated from the start of
+    that backward to the step's end, in place of what those hooks would allocate."""
+
+    apart: tuple[torch.Tensor, ...] = ()
+    buffers: int = 0
+
+    def run(self, loss: torch.Tensor) -> Any:
+        """Run it; what it returns holds the gradients taken apart, and the stand-in, until the
+        caller lets it go at the step's end (as `.grad` lives to then)."""
+        if not self.apart:
+            loss.backward()
+            return None
+        held = torch.empty(self.buffers, dtype=torch.uint8, device=loss.device) if self.buffers else None
+        try:
+            grads = torch.autograd.grad(loss, self.apart, allow_unused=True)
+        except RuntimeError as e:
+            if "Checkpointing is not compatible with .grad()" not in str(e):
+                raise
+            # A reentrant checkpoint runs its own backward, which would write `.grad` and
+            # fire the hooks this backward keeps away.
+            raise PlanError(
+                "the model checkpoints reentrantly (torch.utils.checkpoint with "
+                "use_reentrant=True, or Hugging Face gradient_checkpointing without "
+                "use_reentrant=False), and under the DeepSpeed engine the profile's backward takes "
+                "the gradients with torch.autograd.grad, which a reentrant checkpoint refuses; "
+                "turn that checkpointing off (the plan checkpoints what it needs) or make it "
+                "non-reentrant") from e
+        return grads, held
 
 
 # --- clocks and memory: CUDA events and allocator statistics, or wall-clock on the CPU ----------
@@ -238,8 +273,9 @@ class Probe:
     first, fed the raw batch) ends when the next backward mark or the step's end comes.
     """
 
-    def __init__(self, modules: Sequence[nn.Module], meter: Meter) -> None:
+    def __init__(self, modules: Sequence[nn.Module], meter: Meter, backward: Backward = Backward()) -> None:
         self.meter = meter
+        self.backward = backward
         self.n = len(modules)
         self.recording = False
         self.handles = []
@@ -354,12 +390,12 @@ class Probe:
                 output = None
             after = meter.tick()
             backward = meter.tick()
-            loss.backward()
+            grads = self.backward.run(loss)
             if self.open is not None:
                 self._end(self.open)
             done = meter.tick()
             tail = meter.peak_and_reset()  # after the last backward mark: the rest of backward
-            del output, loss
+            del output, loss, grads
         finally:
             self.recording = False
             meter.end()

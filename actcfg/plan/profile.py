@@ -55,7 +55,8 @@ from actcfg.runtime.offload_pool import HostPool, shared_host_pool
 from actcfg.plan.cost import Run, assemble
 from actcfg.plan.parts import find_parts
 from actcfg.plan.model import CHOICE_OF, CHOICES, OFFLOADS, Profile
-from actcfg.plan.probe import Meter, Probe, copy_bandwidth
+from actcfg.plan.probe import Backward, Meter, Probe, copy_bandwidth
+from actcfg.plan.sharded import deepspeed_backward
 from actcfg.plan.saved import saved_bytes
 from actcfg.plan.trial import Apply
 from actcfg.policy.schema import DEFAULT_SAVE_OPS, Compile, Policy, RulesCheckpoint
@@ -240,7 +241,7 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
          apply: Apply, meter: Meter, steps: int, pin: bool,
          pin_budget: int | None, taken: Sequence[str], compile: Compile | None = None,
          spent: list[float] | None = None, warmed: _Warmed | None = None,
-         outputs_held: bool = True, strict: bool = False) -> Run:
+         outputs_held: bool = True, strict: bool = False, backward: Backward = Backward()) -> Run:
     # `taken`: the modules the choice's rule names (the blocks, or their parts for `split` and
     # `split_offload`); the probe and the byte counts stay on the blocks either way. Keep too
     # runs as applied (a `mode: none` rule), as the plan will: applying any policy turns a
@@ -248,7 +249,7 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
     # cache no plan builds (a tiny GPT-2: every keep term two block-sized tensors per layer
     # over its plan's step).
     handle = apply(model, _uniform(taken, choice, pin, pin_budget, compile))
-    probe = Probe(modules, meter)
+    probe = Probe(modules, meter, backward)
     spent = [] if spent is None else spent
     compiled = compile is not None
     try:
@@ -276,7 +277,8 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
         if whole:
             spent.append(warm_up(lambda: measure_steps(model, kwargs if kwargs else tuple(args),
                                                        loss_fn=loss_fn, steps=1, warm=True,
-                                                       count=meter.memory, outputs_held=outputs_held)))
+                                                       count=meter.memory, outputs_held=outputs_held,
+                                                       backward=backward)))
         # No warm-up step of their own: the probed steps just ran this policy on these inputs
         # (allocator, host pool and kernels warm; compiled, `warm_up` above rebuilt the graph),
         # and a step without the probe's hooks runs the same kernels and copies. It was one
@@ -292,7 +294,7 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
         def unprobed_steps() -> float:
             return measure_steps(model, kwargs if kwargs else tuple(args), loss_fn=loss_fn,
                                  steps=1 if settled else steps, count=meter.memory, warm=True,
-                                 outputs_held=outputs_held)[0]
+                                 outputs_held=outputs_held, backward=backward)[0]
         graphs = _graphs_built() if compiled else 0  # dynamo is not imported for an eager profile
         started = time.perf_counter()
         unprobed = unprobed_steps()
@@ -430,6 +432,7 @@ def profile(
         return [n for ps in part_names for n in ps] if CHOICE_OF[choice].parts else names
     args, kwargs = _split(inputs)
     loss = loss_fn or default_loss
+    backward = deepspeed_backward(model)  # under DeepSpeed's ZeRO-1/2, gradients taken apart
     notes: list[str] = []
     runs: dict[str, Run] = {}
     timing = _Timing(spent)
@@ -509,7 +512,8 @@ def profile(
                         with timing.timed(choice, pool):
                             runs[choice] = _run(model, blocks, names, choice, args, kwargs, loss,
                                                 apply, meter, steps, pin, pin_budget, taken(choice),
-                                                compile, spent, warmed, outputs_held, strict)
+                                                compile, spent, warmed, outputs_held, strict,
+                                                backward)
                     except torch.cuda.OutOfMemoryError:
                         if strict:
                             raise
@@ -588,16 +592,18 @@ def _trial(model: nn.Module, names: Sequence[str], compile: Compile | None, pin:
 
 def measure_steps(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
                   steps: int = 3, count: bool = True, warm: bool = False,
-                  outputs_held: bool = True) -> tuple[float, int]:
+                  outputs_held: bool = True, backward: Backward | None = None) -> tuple[float, int]:
     """(median step ms, peak bytes of the last step above its start) of `steps` training steps
     after one warm-up, as the profile measures them (gradients set to None before each; on the
     CPU the bytes `LiveBytes` counts, or 0 with `count=False`). `warm`: the model has just run
     these steps with this policy (the profile's probed steps), so no warm-up step.
-    `outputs_held` as in `Probe.step`."""
+    `outputs_held` as in `Probe.step`; `backward` as the profile runs it (by default read off the
+    model: `actcfg.plan.sharded.deepspeed_backward`)."""
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
     meter = Meter(device, count=count)
     args, kwargs = _split(inputs)
     loss = loss_fn or default_loss
+    backward = deepspeed_backward(model) if backward is None else backward
     times = []
     peak = 0
     first = 0 if warm else 1
@@ -610,9 +616,9 @@ def measure_steps(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], tor
             value = loss(output)
             if not outputs_held:
                 output = None
-            value.backward()
+            grads = backward.run(value)
             end = meter.tick()
-            del output, value
+            del output, value, grads
             meter.peak_and_reset()
         finally:
             meter.end()

@@ -35,14 +35,18 @@ from torch import nn
 
 from actcfg.errors import PlanError
 from actcfg.plan.consensus import settle
+from actcfg.plan.probe import Backward
 
-__all__ = ["DDP_WHY", "DEEPSPEED_WHY", "WHILE_PROFILING", "Steps", "is_sharded",
+__all__ = ["DDP_WHY", "DEEPSPEED_WHY", "WHILE_PROFILING", "Steps", "deepspeed_backward", "is_sharded",
            "refuse_compile_across_ranks", "refuse_unplannable"]
 
-DEEPSPEED_WHY = ("its gradient hooks (ZeRO's, or the bf16 optimizer's) move each gradient the "
-                 "profile's backward produces into the optimizer's partitioned buffers, which "
-                 "engine.step then applies, and which cannot be put back exactly")
-"""Why the DeepSpeed engine is not profiled (`refuse_unplannable`, and both trainer callbacks)."""
+DEEPSPEED_WHY = ("ZeRO-3 gathers each module's partitioned parameters with hooks that record the "
+                 "order modules run in during the first steps and prefetch by it after; the "
+                 "profile's steps (recompute runs blocks again, in another order) would record "
+                 "or invalidate that trace, DeepSpeed's private state with no API to save and "
+                 "restore it")
+"""Why a model trained by the DeepSpeed engine with ZeRO-3 is not profiled (`refuse_unplannable`,
+and both trainer callbacks). ZeRO-1/2 and the bf16 optimizer are: see `deepspeed_backward`."""
 
 WHILE_PROFILING = " (while profiling)"
 """Where every agreement during the profile says the failure happened: each rank raises the same
@@ -68,7 +72,7 @@ def _class_names(model: nn.Module) -> set[str]:
 
 def refuse_unplannable(model: nn.Module) -> None:
     """PlanError for a model the profile cannot run a step of without changing what the run
-    sees: wrapped in DDP, or in (or trained by) the DeepSpeed engine."""
+    sees: wrapped in DDP, trained by the DeepSpeed engine with ZeRO-3, or the engine itself."""
     where = "`checkpoint.mode: auto` profiles training steps on the model as given, and"
     fix = ("plan the unwrapped model in a one-process run (or with `actcfg plan CONFIG --model "
            "pkg.module:factory -o plan.yaml`) and apply the written plan")
@@ -76,29 +80,118 @@ def refuse_unplannable(model: nn.Module) -> None:
         # DDP's reducer expects every backward to follow a DDP forward (prepare_for_backward)
         # and all-reduces into the gradients' buckets as they are produced.
         raise PlanError(f"{where} the model is wrapped in DistributedDataParallel, {DDP_WHY}; {fix}")
-    # ZeRO-3 marks its parameters with `ds_id`; ZeRO-1/2 and the bf16 optimizer link each to
-    # its fp32 partition (`_hp_mapping`, set to None again by engine.destroy()).
-    zero = [n for n, p in model.named_parameters()
-            if hasattr(p, "ds_id") or getattr(p, "_hp_mapping", None) is not None]
-    if zero:
-        # ZeRO-1/2's gradient hooks (stage_1_and_2.create_gradient_handling_hooks) move each
-        # parameter's gradient into the optimizer's ipg bucket as backward produces it, reduce
-        # it into the partitioned gradients engine.step reads and clear `param.grad`; the
-        # engine's `_backward_post_hook` runs the epilogue even for a direct loss.backward(). A
-        # profile's backward passes would be reduced in as gradient-accumulation micro-steps,
-        # kept in private structures of the installed DeepSpeed version (buckets, partitioned
-        # gradients, grad_accum, reduced flags) with no API to save and restore them. ZeRO-3
-        # adds hooks that fetch and release partitions by a recorded trace. (docs/trainers.md)
-        raise PlanError(f"{where} the model is trained by the DeepSpeed engine ({DEEPSPEED_WHY}); "
-                        f"{fix}")
+    if any(hasattr(p, "ds_id") for p in model.parameters()):  # ZeRO-3 marks its parameters
+        # Its module hooks (parameter_offload.py) gather and release partitions, and the
+        # coordinator (partitioned_param_coordinator.py) records the module order of a step
+        # (reset_step at each forward's start: INVALID -> RECORD -> COMPLETE) and invalidates it
+        # when a step differs. Every profiled step runs the model under another policy.
+        raise PlanError(f"{where} the model is trained by the DeepSpeed engine with ZeRO-3 "
+                        f"({DEEPSPEED_WHY}); use ZeRO stage 1 or 2, which plan as they train, "
+                        f"or {fix} under ZeRO-3")
     if "DeepSpeedEngine" in _class_names(model):
-        # Without ZeRO (stage 0, fp32; fp16/bf16 through FP16_UnfusedOptimizer in 0.19) the
-        # engine leaves gradients to autograd until engine.step: its module's backward is
-        # torch's, and only the engine's forward hooks on it (timers) see the profile.
         raise PlanError(f"{where} the model is the DeepSpeed engine itself, whose module names "
-                        "carry its `module.` prefix (so would the plan's) and whose forward does "
-                        "the engine's per-step bookkeeping: pass engine.module, which plans "
-                        "without ZeRO (stage 0); with ZeRO, " + fix)
+                        "carry its `module.` prefix (so would the plan's) and whose forward "
+                        "starts the engine's backward bookkeeping (its loss-scaling hook on the "
+                        "output, the reduction epilogue after it): pass engine.module, which "
+                        "plans under ZeRO stages 0, 1 and 2")
+
+
+STAND_IN_DTYPE = torch.uint8
+"""The dtype of the profile's stand-in for DeepSpeed's step buffers: bytes."""
+
+
+def deepspeed_backward(model: nn.Module) -> Backward:
+    """How the profile runs a step's backward on `model`: as the run does (`loss.backward()`),
+    or, for a model trained by DeepSpeed's ZeRO-1/2 or bf16 optimizer, with
+    `torch.autograd.grad` over its trainable parameters, which DeepSpeed's hooks never see.
+
+    Those optimizers hook each parameter's gradient accumulation
+    (`Tensor.register_post_accumulate_grad_hook`, through `deepspeed.utils.torch.
+    register_grad_hook`): ZeRO-1/2's hook copies the gradient into the optimizer's bucket,
+    reduces it into the partitioned gradients `engine.step` applies and counts it towards the
+    engine's backward epilogue; the bf16 optimizer's adds it to its fp32 gradients. A profiled
+    `loss.backward()` would be one more gradient-accumulation micro-step of the run. Under
+    `torch.autograd.grad` the AccumulateGrad nodes of the parameters asked for do not run (their
+    gradients are captured at the node's input), so no post-accumulate-grad hook fires and no
+    `.grad` is written; the engine's other hooks are on its own forward's output, which the
+    profile never calls (it runs `engine.module`), and on the module's forward (timers).
+
+    What the profile then counts: every parameter's whole gradient, held from the moment
+    backward produces it to the step's end, as `.grad` would be without DeepSpeed; and, from the
+    start of backward to its end, a stand-in of DeepSpeed's own step buffers (`_zero_buffers`),
+    which the hooks allocate at a step's first gradient and free in its epilogue. PlanError when
+    parameters carry DeepSpeed's link to an optimizer whose hooks this does not know."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    # ZeRO-1/2 and the bf16 optimizer link each parameter to its fp32 partition (`_hp_mapping`,
+    # set to None again by engine.destroy()); without a hook on it (the bf16 optimizer without
+    # `immediate_grad_update`) gradients stay in `.grad` until engine.backward's epilogue,
+    # which the profile never calls: a plain backward, as without ZeRO.
+    linked = [p for p in params if getattr(p, "_hp_mapping", None) is not None
+              and getattr(p, "_post_accumulate_grad_hooks", None)]
+    if not linked:
+        return Backward()
+    optimizers = {id(o): o for o in map(_hooked_optimizer, linked)}
+    if None in optimizers.values() or len(optimizers) != 1:
+        raise PlanError(
+            "`checkpoint.mode: auto` under the DeepSpeed engine: the model's parameters are "
+            "linked to DeepSpeed's optimizer (`_hp_mapping`), and their gradient hooks are not "
+            "those of one ZeRO-1/2 (DeepSpeedZeroOptimizer) or bf16 (BF16_Optimizer) optimizer "
+            "of the DeepSpeed versions actcfg reads (0.19): the profile cannot keep them from "
+            "its backward or count what they allocate; plan the unwrapped model in a "
+            "one-process run (or with `actcfg plan`) and apply the written plan")
+    (optimizer,) = optimizers.values()
+    return Backward(apart=tuple(params), buffers=_zero_buffers(optimizer))
+
+
+def _hooked_optimizer(param: torch.Tensor) -> Any:
+    """The DeepSpeed optimizer whose gradient hook is on `param`, read from the hook's closure
+    (`self` in `create_gradient_handling_hooks` or `create_grad_acc_hooks`); None when the
+    parameter carries no such hook. The engine keeps no link from its module to its optimizer."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    found = None
+    for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+        names = getattr(getattr(hook, "__code__", None), "co_freevars", ())
+        if "self" not in names:
+            continue
+        owner = hook.__closure__[names.index("self")].cell_contents
+        if isinstance(owner, (DeepSpeedZeroOptimizer, BF16_Optimizer)):
+            found = owner
+    return found
+
+
+def _zero_buffers(optimizer: Any) -> int:
+    """Bytes DeepSpeed's gradient hooks allocate in a step and free in its epilogue, which the
+    profile (whose backward they do not see) allocates in their place. DeepSpeed 0.19.8's
+    `DeepSpeedZeroOptimizer`: with `contiguous_gradients`, each step's first gradient allocates
+    one buffer of `reduce_bucket_size` elements per communication dtype (two with
+    `overlap_comm`; `setup_buckets`), freed in the epilogue (`_release_ipg_buffers`); ZeRO-2's
+    reduction copies the rank's gradients into `grads_in_partition` (its partition, in the
+    model's dtype), freed there too, and ZeRO-1's epilogue builds the partition as
+    `averaged_gradients` (in the accumulation dtype) while every `.grad` is still alive. One
+    partition in the larger of the two dtypes covers either. On one CPU rank the default
+    bucket (5e8 elements, fp32) was 2.0 GB of a step whose activations and gradients were
+    1.85 MB. The bf16 optimizer's fp32 gradients are allocated with it, before any step: 0.
+
+    The stand-in is held through the whole backward, where ZeRO-2 holds its partition only from
+    its first reduction; and the profile holds each parameter's whole gradient to the step's
+    end, where ZeRO-2 frees each once reduced (ZeRO-1 holds them as the profile does). So the
+    profile counts at least what the run allocates, by about (1 - 1/ranks) of the gradients
+    more under ZeRO-2."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer):
+        return 0
+    buckets = 0
+    if optimizer.contiguous_gradients:
+        element = torch.empty((), dtype=optimizer._gradient_reduction_buffer_dtype()).element_size()
+        per = 2 if optimizer.overlap_comm else 1
+        buckets = len(optimizer.ipg_buckets) * per * int(optimizer.reduce_bucket_size) * element
+    widest = max(torch.empty((), dtype=d).element_size()
+                 for d in (optimizer.dtype, optimizer.gradient_accumulation_dtype))
+    partition = sum(int(n) for n in optimizer.partition_size) * widest
+    return buckets + partition
 
 
 class Steps:
