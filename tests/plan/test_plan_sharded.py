@@ -174,57 +174,168 @@ def test_ddp_is_refused_naming_its_reducer(mesh):
     assert all(p.grad is None for p in model.parameters())
 
 
-def engine_of(stage: int) -> tuple[Any, torch.Tensor]:
+def engine_of(stage: int, **zero: Any) -> tuple[Any, torch.Tensor]:
     import deepspeed
 
     model, x = offload_blocks(2)
-    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage}}
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage, **zero}}
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config=config)
     return engine, x
 
 
+def engine_losses(engine: Any, x: torch.Tensor, steps: int = 3) -> list[float]:
+    out = []
+    for _ in range(steps):
+        loss = engine(x).square().mean()
+        engine.backward(loss)
+        engine.step()
+        out.append(loss.item())
+    return out
+
+
+def engine_state(engine: Any) -> list[torch.Tensor]:
+    """Everything of the engine's a step reads or writes that a test can reach: the module's
+    weights, the fp32 partitions ZeRO steps, Adam's state and the partitioned gradients."""
+    optimizer = engine.optimizer
+    out = [p.detach().clone() for p in engine.module.parameters()]
+    out += [t.detach().clone() for t in getattr(optimizer, "single_partition_of_fp32_groups", [])]
+    out += [torch.as_tensor(v).clone() for state in optimizer.optimizer.state.values()
+            for v in state.values()]
+    for grads in getattr(optimizer, "averaged_gradients", {}).values():
+        out += [g.detach().clone() for g in grads or []]
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.deepspeed
-@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("given", ["engine", "engine.module"])
-def test_deepspeed_gradient_hooks_are_refused_before_any_step(ds_env, monkeypatch, stage, given):
+def test_deepspeed_zero3_is_refused_before_any_step_naming_its_trace(ds_env, monkeypatch, given):
     # ZeRO-3 replaces torch.nn.functional.linear process-wide and never puts it back.
     monkeypatch.setattr(torch.nn.functional, "linear", torch.nn.functional.linear)
-    engine, x = engine_of(stage)
+    engine, x = engine_of(3)
     target = engine if given == "engine" else engine.module
     with pytest.raises(PlanError, match=r"^`checkpoint.mode: auto` profiles training steps on the "
-                       r"model as given, and the model is trained by the DeepSpeed engine \(its "
-                       r"gradient hooks \(ZeRO's, or the bf16 optimizer's\) move each gradient"):
+                       r"model as given, and the model is trained by the DeepSpeed engine with "
+                       r"ZeRO-3 \(ZeRO-3 gathers each module's partitioned parameters with hooks "
+                       r"that record the order .*; use ZeRO stage 1 or 2, which plan as they "
+                       r"train, or plan the unwrapped model"):
         actcfg.apply(target, auto(1 << 20), inputs=x)
     engine.destroy()
 
 
 @pytest.mark.slow
 @pytest.mark.deepspeed
-def test_deepspeed_without_zero_plans_engine_module_and_trains_as_the_written_plan(ds_env):
-    def losses(engine: Any, x: torch.Tensor) -> list[float]:
-        out = []
-        for _ in range(3):
-            loss = engine(x).square().mean()
-            engine.backward(loss)
-            engine.step()
-            out.append(loss.item())
-        return out
-
-    engine, x = engine_of(0)
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_the_deepspeed_engine_object_is_refused_naming_engine_module(ds_env, stage):
+    engine, x = engine_of(stage)
     with pytest.raises(PlanError, match=r"the model is the DeepSpeed engine itself, whose module "
-                       r"names carry its `module.` prefix .*: pass engine.module"):
+                       r"names carry its `module.` prefix .*: pass engine.module, which plans "
+                       r"under ZeRO stages 0, 1 and 2$"):
         actcfg.apply(engine, auto(1 << 20), inputs=x)
-    losses(engine, x)  # a step before planning: Adam's state and the engine's counters exist
+    assert all(p.grad is None for p in engine.module.parameters())
+    engine.destroy()
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed
+def test_deepspeed_without_zero_plans_engine_module_and_trains_as_the_written_plan(ds_env):
+    engine, x = engine_of(0)
+    engine_losses(engine, x)  # a step before planning: Adam's state and the engine's counters exist
     handle = actcfg.apply(engine.module, auto(halfway_budget(lambda: offload_blocks(2))), inputs=x)
     assert set(dict(handle.plan.choices).values()) != {"keep"}
-    planned = losses(engine, x)
+    planned = engine_losses(engine, x)
     again, _ = engine_of(0)
-    losses(again, x)
+    engine_losses(again, x)
     actcfg.apply(again.module, handle.plan.policy_yaml)
-    assert planned == losses(again, x)
+    assert planned == engine_losses(again, x)
     assert engine.global_steps == again.global_steps == 6
+
+
+BUCKET = 50_000
+"""A reduce bucket (elements) of 200 KB in fp32: DeepSpeed's default, 5e8, allocates 2 GB a
+step, which would make every budget in these tests DeepSpeed's bucket."""
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_plans_engine_module_changes_nothing_the_run_sees_and_trains_as_the_written_plan(ds_env, stage):
+    from actcfg.plan.sharded import deepspeed_backward
+
+    engine, x = engine_of(stage, reduce_bucket_size=BUCKET)
+    module = engine.module
+    # The budget as the planner's meter reads engine.module under this engine: halfway between
+    # checkpointing every block and plain, each with DeepSpeed's step buffers stood in for.
+    budget = halfway_budget(lambda: (module, x))
+    engine_losses(engine, x, 1)  # a step before planning: Adam's state, partitions, counters
+    optimizer = engine.optimizer
+    counters = lambda: (engine.global_steps, engine.micro_steps, optimizer.micro_step_id,
+                        optimizer.ready_for_gradients, optimizer._backward_hook_state.backward_active_depth)
+    before, counted, rng = engine_state(engine), counters(), torch.get_rng_state()
+    fired = []
+    watch = [p.register_post_accumulate_grad_hook(lambda p: fired.append(p)) for p in module.parameters()]
+    handle = actcfg.apply(module, auto(budget), inputs=x)
+    for h in watch:
+        h.remove()
+    # No gradient hook saw the profile's backward passes (DeepSpeed's are registered the same
+    # way as `watch`), and nothing the engine's next step reads moved.
+    assert fired == []
+    assert counters() == counted
+    assert torch.equal(torch.get_rng_state(), rng)
+    after = engine_state(engine)
+    # the weights, the fp32 partition, Adam's step, exp_avg and exp_avg_sq of it
+    assert len(after) == len(before) >= len(list(module.parameters())) + 4
+    for was, now in zip(before, after):
+        torch.testing.assert_close(now, was, rtol=0, atol=0)
+    assert all(p.grad is None for p in module.parameters())
+    assert deepspeed_backward(module).buffers >= BUCKET * 4  # the stand-in was there
+    assert handle.plan.predicted_peak <= budget
+    assert set(dict(handle.plan.choices).values()) != {"keep"}
+    planned = engine_losses(engine, x)
+    planned_state = engine_state(engine)
+
+    # The same run given the written plan from the start.
+    again, _ = engine_of(stage, reduce_bucket_size=BUCKET)
+    engine_losses(again, x, 1)
+    given = actcfg.apply(again.module, handle.plan.policy_yaml)
+    assert planned == engine_losses(again, x)
+    for p, q in zip(planned_state, engine_state(again)):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert engine.global_steps == again.global_steps == 4
+    handle.remove()
+    given.remove()
+    engine.destroy()
+    again.destroy()
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_zero_step_holds_the_plans_budget_with_its_buckets(ds_env, stage):
+    """What the engine's own step allocates (engine(x), engine.backward), as the planner's meter
+    counts it, fits the plan's budget; without the stand-in for DeepSpeed's buffers it would not."""
+    from actcfg.plan.sharded import deepspeed_backward
+
+    engine, x = engine_of(stage, reduce_bucket_size=4 * BUCKET)
+    module = engine.module
+    budget = halfway_budget(lambda: (module, x))
+    handle = actcfg.apply(module, auto(budget), inputs=x)
+    engine_losses(engine, x, 1)  # the first step (Adam's state is made in it, after backward)
+    live = LiveBytes()
+    live.start()
+    loss = engine(x).square().mean()
+    engine.backward(loss)
+    live.stop()
+    engine.step()
+    buffers = deepspeed_backward(module).buffers
+    print(f"zero-{stage}: step {live.peak}, predicted {handle.plan.predicted_peak}, budget {budget}, "
+          f"stand-in {buffers}")
+    assert live.peak <= budget
+    assert live.peak <= handle.plan.predicted_peak
+    assert live.peak > handle.plan.predicted_peak - buffers
+    handle.remove()
+    engine.destroy()
 
 
 def test_steps_knows_whether_a_failure_left_this_rank_inside_a_step():
