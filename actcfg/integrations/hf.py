@@ -26,7 +26,11 @@ touches neither the optimizer nor the data loader, so the run sees what it would
 the plan applied at train begin. The plan is written to `output_dir/actcfg-plan.yaml`;
 `plan_file=` applies such a file at train begin instead, with no profile. Under FSDP2
 (`fsdp_config={"fsdp_version": 2}`) the profile runs on the sharded model, on every rank
-together, and every rank applies one plan (`actcfg.plan.sharded`); the DeepSpeed engine, DDP,
+together, and every rank applies one plan (`actcfg.plan.sharded`). Under the DeepSpeed engine
+(`deepspeed=`) with ZeRO stage 0, 1 or 2 the profile runs `Trainer.model` (the engine's module)
+inside the engine's first forward, its backward passes taken with `torch.autograd.grad` so that
+ZeRO's gradient hooks never see them, and DeepSpeed's reduce buckets and gradient partition
+counted as its step allocates them (`actcfg.plan.sharded.deepspeed_backward`). ZeRO-3, DDP,
 FSDP1 and DataParallel are refused before the first step (`_refuse_planning_in` says why).
 
 What the callback says goes where the Trainer writes its own progress: Trainer's logger stays at
@@ -316,11 +320,11 @@ def _refuse_planning_in(args: TrainingArguments, model: Any) -> None:
     leave the run as it was."""
     fsdp = getattr(args, "fsdp", None)
     why = None
-    if getattr(args, "deepspeed_plugin", None) is not None:
-        # Stage 0 plans through actcfg.apply(engine.module) in a loop of your own; inside the
-        # Trainer it is not built (accelerate's engine setup is not profiled on the CPU).
-        why = (f"the Trainer runs the DeepSpeed engine (with ZeRO, {DEEPSPEED_WHY}; without "
-               "ZeRO, planning inside the Trainer is not built)")
+    if getattr(args, "deepspeed_plugin", None) is not None and any(
+            hasattr(p, "ds_id") for p in model.parameters()):
+        # ZeRO stages 0-2 are planned: `Trainer.model` is engine.module, and the profile's
+        # backward keeps DeepSpeed's gradient hooks out (actcfg.plan.sharded.deepspeed_backward).
+        why = f"the Trainer runs the DeepSpeed engine with ZeRO-3 ({DEEPSPEED_WHY}; stages 0, 1 and 2 are planned)"
     elif fsdp and not is_sharded(model):
         # FSDP1 wraps the model in FullyShardedDataParallel with flat parameters (its names are
         # not the model's, so neither is a plan's); accelerate on the CPU runs DDP instead.

@@ -212,58 +212,134 @@ def test_hf_fsdp_without_an_fsdp2_sharded_model_is_refused_before_the_first_step
         trainer.train()
 
 
-@pytest.mark.deepspeed
-def test_hf_deepspeed_is_refused_before_the_first_step_and_a_plan_file_runs_under_it(ds_env, tmp_path):
+HF_IDS = torch.randint(0, 96, (12, 16), generator=torch.Generator().manual_seed(1))
+BUCKET = 50_000
+"""ZeRO's reduce bucket in elements (200 KB in fp32): its default, 5e8, allocates 2 GB in every
+step, which would make the budget DeepSpeed's bucket."""
+
+
+def zero_config(stage: int) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET}}
+
+
+def hf_zero_budget(stage: int) -> int:
+    """Halfway between checkpointing every layer and plain, as the planner's meter reads the
+    model under this engine (DeepSpeed's step buffers stood in for), on the Trainer's batch."""
+    import deepspeed
+
+    from actcfg.api import apply
+    from actcfg.plan.profile import measure_steps
+
+    model = tiny_llama(2)
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters()),
+        config={"train_micro_batch_size_per_gpu": 4, **{k: v for k, v in zero_config(stage).items()
+                                                        if not isinstance(v, str)}})
+    batch = {"input_ids": HF_IDS[:4], "labels": HF_IDS[:4]}
+    _, plain = measure_steps(engine.module, batch, steps=1)
+    with apply(engine.module, "version: 1\ncheckpoint: {mode: full, modules: [LlamaDecoderLayer]}\n"):
+        _, full = measure_steps(engine.module, batch, steps=1)
+    engine.destroy()
+    assert full < plain
+    return (full + plain) // 2
+
+
+class EngineSteps(TrainerCallback):
+    """What the engine holds after each step: the module's weights, the fp32 partitions ZeRO
+    steps, Adam's state, the RNG state and the step count."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, Any]] = []
+        self.engine: Any = None
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        optimizer = self.engine.optimizer
+        self.seen.append({
+            "weights": [p.detach().clone() for p in model.parameters()],
+            "fp32": [t.detach().clone() for t in optimizer.single_partition_of_fp32_groups],
+            "adam": [torch.as_tensor(v).clone() for st in optimizer.optimizer.state.values()
+                     for v in st.values()],
+            "rng": torch.get_rng_state(), "step": state.global_step,
+            "engine": (self.engine.global_steps, self.engine.micro_steps),
+        })
+
+
+def hf_zero_run(out: Path, stage: int, callback: ActivationPolicyCallback) -> dict[str, Any]:
     from transformers import Trainer, TrainingArguments
 
-    ids = torch.randint(0, 96, (8, 16), generator=torch.Generator().manual_seed(1))
-    data = [{"input_ids": r, "labels": r} for r in ids]
-    policy = "version: 1\ncheckpoint: {mode: auto, modules: [LlamaDecoderLayer]}\nmemory_budget: 330KiB\n"
+    steps = EngineSteps()
+    args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=4, max_steps=STEPS,
+                             learning_rate=1e-2, report_to=[], save_strategy="no", logging_steps=1,
+                             disable_tqdm=True, seed=0, use_cpu=True, deepspeed=zero_config(stage))
+    trainer = Trainer(model=tiny_llama(2, attention_dropout=0.2), args=args,
+                      train_dataset=[{"input_ids": r, "labels": r} for r in HF_IDS],
+                      callbacks=[callback, steps])
 
-    def arguments(out: Path, **extra: Any) -> TrainingArguments:
-        return TrainingArguments(output_dir=str(out), per_device_train_batch_size=4, max_steps=2,
-                                 report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True,
-                                 **extra)
+    class Engine(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            steps.engine = trainer.model_wrapped  # deepspeed.initialize ran before this hook
 
-    # The way out the refusal gives: plan in a run without DeepSpeed, pass the file. (First:
-    # accelerate leaves ACCELERATE_USE_DEEPSPEED=true behind, which turns every later Trainer
-    # into a DeepSpeed one; the environment is put back at the end.)
+    trainer.add_callback(Engine())
+    trainer.train()
+    assert type(trainer.model_wrapped).__name__ == "DeepSpeedEngine"
+    return {"steps": steps.seen, "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e]}
+
+
+@pytest.fixture
+def hf_env(ds_env):
+    """The environment as it was: accelerate leaves ACCELERATE_USE_DEEPSPEED=true behind, which
+    would turn every later Trainer into a DeepSpeed one."""
+    saved = dict(os.environ)
+    yield ds_env
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("stage", [1, 2])
+def test_hf_deepspeed_zero_plans_on_the_first_batch_and_trains_as_the_written_plan(hf_env, tmp_path, stage):
+    budget = hf_zero_budget(stage)
+    policy = f"version: 1\ncheckpoint: {{mode: auto, modules: [LlamaDecoderLayer]}}\nmemory_budget: {budget}\n"
     planning = ActivationPolicyCallback(policy)
-    Trainer(model=tiny_llama(2), args=arguments(tmp_path / "plain"), train_dataset=data,
-            callbacks=[planning]).train()
+    planned = hf_zero_run(tmp_path / "planned", stage, planning)
+    assert planning.plan_written == tmp_path / "planned" / "actcfg-plan.yaml"
     text = planning.plan_written.read_text()
     assert "mode: full" in text or "mode: selective" in text  # the budget makes it checkpoint
+    given = hf_zero_run(tmp_path / "given", stage,
+                        ActivationPolicyCallback(policy, plan_file=planning.plan_written))
+    assert planned["losses"] == given["losses"] and len(planned["losses"]) == STEPS
+    assert [s["step"] for s in planned["steps"]] == [s["step"] for s in given["steps"]] == [1, 2, 3]
+    for a, b in zip(planned["steps"], given["steps"]):
+        assert a["engine"] == b["engine"]  # the profile added no micro-step
+        assert torch.equal(a["rng"], b["rng"])
+        for key in ("weights", "fp32", "adam"):
+            assert len(a[key]) == len(b[key]) > 0
+            assert all(torch.equal(x, y) for x, y in zip(a[key], b[key])), key
 
-    saved = dict(os.environ)
-    try:
-        zero2 = {"deepspeed": {"train_micro_batch_size_per_gpu": "auto",
-                               "zero_optimization": {"stage": 2}}}
-        refused = Trainer(model=tiny_llama(2), args=arguments(tmp_path / "refused", **zero2),
-                          train_dataset=data, callbacks=[ActivationPolicyCallback(policy)])
-        with pytest.raises(PolicyApplyError, match=re.escape(
-                "checkpoint.mode auto plans on the first batch, in the training process, and the "
-                "Trainer runs the DeepSpeed engine (with ZeRO, its gradient hooks (ZeRO's, or the "
-                "bf16 optimizer's) move each gradient the profile's backward produces into the "
-                "optimizer's partitioned buffers, which engine.step then applies, and which cannot "
-                "be put back exactly; without ZeRO, planning inside the Trainer is not built): plan "
-                "once in a one-process run without it")):
-            refused.train()
 
-        given = ActivationPolicyCallback(policy, plan_file=planning.plan_written)
-        counted: list[int] = []
+@pytest.mark.slow
+@pytest.mark.deepspeed
+def test_hf_deepspeed_zero3_is_refused_before_the_first_step(hf_env, tmp_path, monkeypatch):
+    from transformers import Trainer, TrainingArguments
 
-        class Recomputes(TrainerCallback):
-            def on_step_end(self, args, state, control, **kwargs):
-                counted.append(given.applied.counters.recomputes)
-
-        trainer = Trainer(model=tiny_llama(2), args=arguments(tmp_path / "deepspeed", **zero2),
-                          train_dataset=data, callbacks=[given, Recomputes()])
+    # ZeRO-3 replaces torch.nn.functional.linear process-wide and never puts it back.
+    monkeypatch.setattr(torch.nn.functional, "linear", torch.nn.functional.linear)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2,
+                             report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True,
+                             deepspeed=zero_config(3))
+    policy = "version: 1\ncheckpoint: {mode: auto, modules: [LlamaDecoderLayer]}\nmemory_budget: 1MiB\n"
+    trainer = Trainer(model=tiny_llama(2), args=args,
+                      train_dataset=[{"input_ids": r, "labels": r} for r in HF_IDS],
+                      callbacks=[ActivationPolicyCallback(policy)])
+    with pytest.raises(PolicyApplyError, match=re.escape(
+            "checkpoint.mode auto plans on the first batch, in the training process, and the "
+            "Trainer runs the DeepSpeed engine with ZeRO-3 (ZeRO-3 gathers each module's "
+            "partitioned parameters with hooks that record the order modules run in during the "
+            "first steps and prefetch by it after;")):
         trainer.train()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    assert trainer.state.global_step == 2
-    assert counted[0] > 0  # the plan's checkpoints recomputed under the engine's backward
+    assert trainer.state.global_step == 0
 
 
 # --- Hugging Face Trainer with FSDP2, one GPU, NCCL --------------------------------------------------
