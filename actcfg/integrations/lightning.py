@@ -40,8 +40,13 @@ start. The plan is written to `trainer.log_dir/actcfg-plan.yaml`; `plan_file=` a
 file at fit start instead, with no profile. Planning in the run needs automatic
 optimization (the profile must not step an optimizer) and one device, or `ModelParallelStrategy`
 with FSDP2's `fully_shard` in `configure_model`: the profile then runs on the sharded model, on
-every rank together, and every rank applies one plan (`actcfg.plan.sharded`). DeepSpeedStrategy,
-DDP and FSDPStrategy (FSDP1) are refused before the first step (`_refuse_planning_in` says why).
+every rank together, and every rank applies one plan (`actcfg.plan.sharded`); or
+`DeepSpeedStrategy` with ZeRO stage 0, 1 or 2: the profile's backward passes are taken with
+`torch.autograd.grad`, so ZeRO's gradient hooks never see them, and DeepSpeed's reduce buckets
+and gradient partition are counted as its step allocates them
+(`actcfg.plan.sharded.deepspeed_backward`); the engine's step leaves no gradient to live through
+the next forward. ZeRO-3, DDP and FSDPStrategy (FSDP1) are refused before the first step
+(`_refuse_planning_in` says why).
 
 What the callback says goes through `rank_zero_info`, Lightning's own INFO logger (its
 `lightning.pytorch` logger shows INFO by default, as the "GPU available" lines and the model
@@ -204,9 +209,12 @@ class ActivationPolicy(pl.Callback):
             self._waiting = False
             began = time.perf_counter()
             view = _TrainingStepView(pl_module, trainer.precision_plugin.train_step_context)
+            # Under DeepSpeedStrategy the engine's step sets every gradient to None (stage 0) or
+            # keeps only its partitions (ZeRO-1/2): none lives through the next forward.
+            deepspeed = isinstance(trainer.strategy, DeepSpeedStrategy)
             with _logs_thrown_away(trainer, pl_module):
                 planned = plan_model(view, self.policy, (batch, batch_idx), loss_fn=step_loss,
-                                     apply=apply, grads_through_forward=True,
+                                     apply=apply, grads_through_forward=not deepspeed,
                                      accumulating=_gradients_through_step(trainer, pl_module))
             self.applied = apply(pl_module, planned.policy, backend=Backend.TORCH)
             self.applied.set_plan(planned.report)
@@ -342,17 +350,19 @@ def _refuse_whole_model_compile(policy: Policy, plan_file: Path | None) -> None:
 def _refuse_planning_in(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
     """PolicyApplyError for a fit whose first batch cannot be planned on in this process.
 
-    One device is planned, and `ModelParallelStrategy` with FSDP2 (`fully_shard` in
-    `configure_model`) on one process or each of several, which plan together
-    (`actcfg.plan.sharded`). What is refused is what a profile's backward cannot run under and
+    One device is planned, `DeepSpeedStrategy` with ZeRO stage 0, 1 or 2, and
+    `ModelParallelStrategy` with FSDP2 (`fully_shard` in `configure_model`) on one process or
+    each of several, which plan together (`actcfg.plan.sharded`). What is refused is what a profile's backward cannot run under and
     leave the fit as it was."""
     strategy = trainer.strategy
     why = None
     if isinstance(strategy, DeepSpeedStrategy):
-        # Stage 0 plans through actcfg.apply(engine.module) in a loop of your own; inside the
-        # strategy (CUDA only) it is not built.
-        why = (f"the Trainer runs DeepSpeedStrategy (with ZeRO, {DEEPSPEED_WHY}; without ZeRO, "
-               "planning inside the strategy is not built)")
+        # ZeRO stages 0-2 are planned: the LightningModule's parameters are the engine
+        # module's, and the profile's backward keeps DeepSpeed's gradient hooks out
+        # (actcfg.plan.sharded.deepspeed_backward). ZeRO-3 marks its parameters with ds_id.
+        if any(hasattr(p, "ds_id") for p in pl_module.parameters()):
+            why = (f"the Trainer runs DeepSpeedStrategy with ZeRO-3 ({DEEPSPEED_WHY}; stages 0, "
+                   "1 and 2 are planned)")
     elif isinstance(strategy, ModelParallelStrategy) and not is_sharded(pl_module):
         # Tensor parallel alone (no fully_shard) has collectives in every step too, but the
         # agreement of the ranks' steps is built and tested for FSDP2's.
@@ -366,7 +376,7 @@ def _refuse_planning_in(trainer: pl.Trainer, pl_module: pl.LightningModule) -> N
                "process(es), whose gradient hooks (DDP's reducer, FSDP1's flat parameters) the "
                "profile's backward passes would fire (ModelParallelStrategy with FSDP2's "
                "fully_shard in configure_model is planned on every rank together)")
-    elif not pl_module.automatic_optimization:
+    if why is None and not pl_module.automatic_optimization:
         why = ("the LightningModule steps its optimizers itself (automatic_optimization is off), "
                "so running training_step to profile it would step them")
     if why is not None:

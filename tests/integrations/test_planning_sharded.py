@@ -3,11 +3,15 @@
 On the CPU: Lightning's `ModelParallelStrategy` with `fully_shard` in `configure_model` plans on
 the first batch and changes nothing the run sees (its steps equal those of a run given the
 written plan), on one process and on two gloo ranks (one plan, written once); DDP is refused with its reason, and so is a Hugging Face `fsdp` run whose model
-is not FSDP2-sharded (on the CPU accelerate runs DDP there). Hugging Face's FSDP2 needs a GPU
-(accelerate shards only on GPU distributed types): the `cuda` test plans GPT-2 under it, one
-rank on NCCL:
+is not FSDP2-sharded (on the CPU accelerate runs DDP there). Hugging Face's Trainer under the
+DeepSpeed engine (DeepSpeed's CPU accelerator) with ZeRO-1 and ZeRO-2 plans on the first batch
+and trains as the run given the written plan (losses, weights, fp32 partitions, Adam's state);
+ZeRO-3 is refused. Hugging Face's FSDP2 needs a GPU (accelerate shards only on GPU distributed
+types), and Lightning's DeepSpeedStrategy refuses every accelerator but CUDA: the `cuda` tests
+plan GPT-2 under the one, one rank on NCCL, and the blocks stack under the other:
 
     python3 -m pytest -m cuda -q "tests/integrations/test_planning_sharded.py::test_gpu_hf_trainer_fsdp2_plans_on_the_first_batch_like_the_written_plan"
+    python3 -m pytest -m cuda -q -s "tests/integrations/test_planning_sharded.py::test_gpu_lightning_deepspeed_zero2_plans_within_the_budget_and_trains_as_the_written_plan"
 """
 
 from __future__ import annotations
@@ -340,6 +344,90 @@ def test_hf_deepspeed_zero3_is_refused_before_the_first_step(hf_env, tmp_path, m
             "first steps and prefetch by it after;")):
         trainer.train()
     assert trainer.state.global_step == 0
+
+
+# --- Lightning DeepSpeedStrategy (CUDA only), one GPU --------------------------------------------
+
+
+def _lightning_deepspeed_worker(rank: int, out_dir: str, port: int) -> None:
+    """Lightning's DeepSpeedStrategy(stage=2) with its own defaults (reduce buckets of 2e8
+    elements, two with overlap_comm) on the blocks stack: the budget halfway between the first
+    steps of checkpointing every block and of plain, both measured under the strategy; the
+    planned run within it, and trained as the run given its written plan."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from actcfg import probes
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", NODE_RANK="0")
+    shape = dict(n=4, d_model=1024, heads=8, ffn=4096, batch=4, seq=1024, dtype=torch.float32)
+    _, x = probes.blocks(**shape, device="cpu")
+
+    class Stack(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.blocks, _ = probes.blocks(**shape, device="cpu")
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.blocks(batch[0]).float().square().mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)  # a torch optimizer, not DeepSpeed's
+
+    class Weights(pl.Callback):
+        def __init__(self) -> None:
+            self.seen: list[list[float]] = []
+            self.engine: list[tuple[int, int]] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.seen.append([float(p.detach().float().abs().sum()) for p in pl_module.parameters()])
+            engine = trainer.strategy.deepspeed_engine
+            self.engine.append((engine.global_steps, engine.micro_steps))
+
+    def run(name: str, callback: ActivationPolicy) -> Weights:
+        weights = Weights()
+        trainer = pl.Trainer(max_steps=STEPS, accelerator="gpu", devices=1, precision="32-true",
+                             strategy=DeepSpeedStrategy(stage=2), logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=os.path.join(out_dir, name),
+                             callbacks=[callback, weights])
+        trainer.fit(Stack(), DataLoader(TensorDataset(x.repeat(STEPS, 1, 1)), batch_size=shape["batch"]))
+        return weights
+
+    def auto(budget: int) -> str:
+        return f"version: 1\ncheckpoint: {{mode: auto, modules: [Block]}}\nmemory_budget: {budget}\n"
+
+    plain = ActivationPolicy(auto(2**40))  # plans keep everywhere: the plain step
+    run("plain", plain)
+    full = ActivationPolicy("version: 1\ncheckpoint: {mode: full, modules: [Block]}\n", backend="torch")
+    run("full", full)
+    budget = (plain.first_step_peak + full.first_step_peak) // 2
+    planning = ActivationPolicy(auto(budget))
+    planned = run("planned", planning)
+    given = run("given", ActivationPolicy(auto(budget), plan_file=planning.plan_written))
+    write_result(out_dir, rank, {
+        "plain": plain.first_step_peak, "full": full.first_step_peak, "budget": budget,
+        "peak": planning.first_step_peak, "plan": planning.plan_written.read_text(),
+        "planned": planned.seen, "given": given.seen, "planned_engine": planned.engine,
+        "given_engine": given.engine, "plan_seconds": planning.plan_seconds,
+    })
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_lightning_deepspeed_zero2_plans_within_the_budget_and_trains_as_the_written_plan(tmp_path):
+    (result,) = run_ranks(_lightning_deepspeed_worker, tmp_path, world=1, timeout=900)
+    print("lightning deepspeed zero-2:", {k: v for k, v in result.items()
+                                          if k not in ("planned", "given", "plan")},
+          result["plan"].splitlines()[:8])
+    assert result["peak"] <= result["budget"] < result["plain"]
+    assert "mode: full" in result["plan"] or "mode: selective" in result["plan"]
+    assert result["planned_engine"] == result["given_engine"]  # the profile added no micro-step
+    assert len(result["planned"]) == len(result["given"]) == STEPS
+    # the same kernels on the same batches; rel 1e-6 leaves room for an atomic-add reduction
+    for a, b in zip(result["planned"], result["given"]):
+        assert a == pytest.approx(b, rel=1e-6)
 
 
 # --- Hugging Face Trainer with FSDP2, one GPU, NCCL --------------------------------------------------
