@@ -123,42 +123,39 @@ def deepspeed_backward(model: nn.Module) -> Backward:
     parameters carry DeepSpeed's link to an optimizer whose hooks this does not know."""
     params = [p for p in model.parameters() if p.requires_grad]
     # ZeRO-1/2 and the bf16 optimizer link each parameter to its fp32 partition (`_hp_mapping`,
-    # set to None again by engine.destroy()); without a hook on it (the bf16 optimizer without
-    # `immediate_grad_update`) gradients stay in `.grad` until engine.backward's epilogue,
-    # which the profile never calls: a plain backward, as without ZeRO.
-    linked = [p for p in params if getattr(p, "_hp_mapping", None) is not None
-              and getattr(p, "_post_accumulate_grad_hooks", None)]
-    if not linked:
+    # set to None again by engine.destroy()). Without a DeepSpeed hook on it (the bf16 optimizer
+    # without `immediate_grad_update`) gradients stay in `.grad` until engine.backward's
+    # epilogue, which the profile never calls: a plain backward, as without ZeRO.
+    hooks = [hook for p in params if getattr(p, "_hp_mapping", None) is not None
+             for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()
+             if getattr(hook, "__module__", "").startswith("deepspeed.")]
+    if not hooks:
         return Backward()
-    optimizers = {id(o): o for o in map(_hooked_optimizer, linked)}
+    optimizers = {id(o): o for o in map(_hooked_optimizer, hooks)}
     if None in optimizers.values() or len(optimizers) != 1:
         raise PlanError(
-            "`checkpoint.mode: auto` under the DeepSpeed engine: the model's parameters are "
-            "linked to DeepSpeed's optimizer (`_hp_mapping`), and their gradient hooks are not "
-            "those of one ZeRO-1/2 (DeepSpeedZeroOptimizer) or bf16 (BF16_Optimizer) optimizer "
-            "of the DeepSpeed versions actcfg reads (0.19): the profile cannot keep them from "
-            "its backward or count what they allocate; plan the unwrapped model in a "
-            "one-process run (or with `actcfg plan`) and apply the written plan")
+            "`checkpoint.mode: auto` under the DeepSpeed engine: the model's parameters carry "
+            "DeepSpeed gradient hooks that are not those of one ZeRO-1/2 "
+            "(DeepSpeedZeroOptimizer) or bf16 (BF16_Optimizer) optimizer as DeepSpeed 0.19 "
+            "registers them: the profile cannot keep them from its backward and count what "
+            "they allocate; plan the unwrapped model in a one-process run (or with `actcfg "
+            "plan`) and apply the written plan")
     (optimizer,) = optimizers.values()
     return Backward(apart=tuple(params), buffers=_zero_buffers(optimizer))
 
 
-def _hooked_optimizer(param: torch.Tensor) -> Any:
-    """The DeepSpeed optimizer whose gradient hook is on `param`, read from the hook's closure
-    (`self` in `create_gradient_handling_hooks` or `create_grad_acc_hooks`); None when the
-    parameter carries no such hook. The engine keeps no link from its module to its optimizer."""
+def _hooked_optimizer(hook: Any) -> Any:
+    """The DeepSpeed optimizer a gradient hook belongs to, read from its closure (`self` in
+    `create_gradient_handling_hooks` or `create_grad_acc_hooks`), or None. The engine keeps no
+    link from its module to its optimizer."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    found = None
-    for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
-        names = getattr(getattr(hook, "__code__", None), "co_freevars", ())
-        if "self" not in names:
-            continue
-        owner = hook.__closure__[names.index("self")].cell_contents
-        if isinstance(owner, (DeepSpeedZeroOptimizer, BF16_Optimizer)):
-            found = owner
-    return found
+    names = getattr(getattr(hook, "__code__", None), "co_freevars", ())
+    if "self" not in names or hook.__closure__ is None:
+        return None
+    owner = hook.__closure__[names.index("self")].cell_contents
+    return owner if isinstance(owner, (DeepSpeedZeroOptimizer, BF16_Optimizer)) else None
 
 
 def _zero_buffers(optimizer: Any) -> int:

@@ -174,20 +174,22 @@ def test_ddp_is_refused_naming_its_reducer(mesh):
     assert all(p.grad is None for p in model.parameters())
 
 
-def engine_of(stage: int, **zero: Any) -> tuple[Any, torch.Tensor]:
+def engine_of(stage: int, extra: dict[str, Any] | None = None, **zero: Any) -> tuple[Any, torch.Tensor]:
     import deepspeed
 
     model, x = offload_blocks(2)
-    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage, **zero}}
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage, **zero},
+              **(extra or {})}
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config=config)
-    return engine, x
+    dtype = next(engine.module.parameters()).dtype  # bf16 under `bf16: {enabled: true}`
+    return engine, x.to(dtype)
 
 
 def engine_losses(engine: Any, x: torch.Tensor, steps: int = 3) -> list[float]:
     out = []
     for _ in range(steps):
-        loss = engine(x).square().mean()
+        loss = engine(x).float().square().mean()
         engine.backward(loss)
         engine.step()
         out.append(loss.item())
@@ -199,7 +201,10 @@ def engine_state(engine: Any) -> list[torch.Tensor]:
     weights, the fp32 partitions ZeRO steps, Adam's state and the partitioned gradients."""
     optimizer = engine.optimizer
     out = [p.detach().clone() for p in engine.module.parameters()]
+    # ZeRO-1/2's fp32 partitions, or the bf16 optimizer's, and its fp32 gradients
     out += [t.detach().clone() for t in getattr(optimizer, "single_partition_of_fp32_groups", [])]
+    out += [t.detach().clone() for t in getattr(optimizer, "fp32_groups_flat_partition", [])]
+    out += [t.detach().clone() for t in getattr(optimizer, "fp32_groups_gradients_flat", [])]
     out += [torch.as_tensor(v).clone() for state in optimizer.optimizer.state.values()
             for v in state.values()]
     for grads in getattr(optimizer, "averaged_gradients", {}).values():
@@ -257,30 +262,50 @@ BUCKET = 50_000
 step, which would make every budget in these tests DeepSpeed's bucket."""
 
 
+BF16_OPTIMIZER = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}
+"""ZeRO-1 with bf16 weights and fp32 gradient accumulation: DeepSpeed 0.19 trains it with its
+bf16 optimizer (BF16_Optimizer) rather than ZeRO's."""
+
+ENGINES = {
+    "zero1": (1, None),
+    "zero2": (2, None),
+    # with immediate_grad_update its hooks add each gradient to its fp32 gradients as backward
+    # produces it; without, it leaves them in .grad until engine.backward's epilogue
+    "bf16_optimizer_immediate": (1, {**BF16_OPTIMIZER, "bf16": {"enabled": True, "immediate_grad_update": True}}),
+    "bf16_optimizer": (1, BF16_OPTIMIZER),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.deepspeed
-@pytest.mark.parametrize("stage", [1, 2])
-def test_zero_plans_engine_module_changes_nothing_the_run_sees_and_trains_as_the_written_plan(ds_env, stage):
+@pytest.mark.parametrize("engine_kind", list(ENGINES))
+def test_zero_plans_engine_module_changes_nothing_the_run_sees_and_trains_as_the_written_plan(ds_env, engine_kind):
     from actcfg.plan.sharded import deepspeed_backward
 
-    engine, x = engine_of(stage, reduce_bucket_size=BUCKET)
+    stage, extra = ENGINES[engine_kind]
+    engine, x = engine_of(stage, extra, reduce_bucket_size=BUCKET)
+    wanted = {"zero1": "DeepSpeedZeroOptimizer", "zero2": "DeepSpeedZeroOptimizer"}.get(engine_kind, "BF16_Optimizer")
+    assert type(engine.optimizer).__name__ == wanted
     module = engine.module
     # The budget as the planner's meter reads engine.module under this engine: halfway between
     # checkpointing every block and plain, each with DeepSpeed's step buffers stood in for.
     budget = halfway_budget(lambda: (module, x))
     engine_losses(engine, x, 1)  # a step before planning: Adam's state, partitions, counters
     optimizer = engine.optimizer
-    counters = lambda: (engine.global_steps, engine.micro_steps, optimizer.micro_step_id,
-                        optimizer.ready_for_gradients, optimizer._backward_hook_state.backward_active_depth)
+    counters = lambda: (engine.global_steps, engine.micro_steps, getattr(optimizer, "micro_step_id", None),
+                        getattr(optimizer, "ready_for_gradients", None),
+                        optimizer._backward_hook_state.backward_active_depth)
     before, counted, rng = engine_state(engine), counters(), torch.get_rng_state()
     fired = []
     watch = [p.register_post_accumulate_grad_hook(lambda p: fired.append(p)) for p in module.parameters()]
     handle = actcfg.apply(module, auto(budget), inputs=x)
     for h in watch:
         h.remove()
+    taken = deepspeed_backward(module)
     # No gradient hook saw the profile's backward passes (DeepSpeed's are registered the same
-    # way as `watch`), and nothing the engine's next step reads moved.
-    assert fired == []
+    # way as `watch`), and nothing the engine's next step reads moved. The bf16 optimizer
+    # without immediate_grad_update hooks nothing: a plain backward, which `watch` sees.
+    assert (fired == []) == bool(taken.apart) == (engine_kind != "bf16_optimizer")
     assert counters() == counted
     assert torch.equal(torch.get_rng_state(), rng)
     after = engine_state(engine)
@@ -289,14 +314,18 @@ def test_zero_plans_engine_module_changes_nothing_the_run_sees_and_trains_as_the
     for was, now in zip(before, after):
         torch.testing.assert_close(now, was, rtol=0, atol=0)
     assert all(p.grad is None for p in module.parameters())
-    assert deepspeed_backward(module).buffers >= BUCKET * 4  # the stand-in was there
+    if engine_kind.startswith("zero"):
+        assert taken.buffers >= BUCKET * 4  # the stand-in for ZeRO's bucket was there
+    else:  # the bf16 optimizer's fp32 gradients exist before any step: nothing stands in
+        assert taken.buffers == 0
+        assert bool(taken.apart) == (engine_kind == "bf16_optimizer_immediate")
     assert handle.plan.predicted_peak <= budget
     assert set(dict(handle.plan.choices).values()) != {"keep"}
     planned = engine_losses(engine, x)
     planned_state = engine_state(engine)
 
     # The same run given the written plan from the start.
-    again, _ = engine_of(stage, reduce_bucket_size=BUCKET)
+    again, _ = engine_of(stage, extra, reduce_bucket_size=BUCKET)
     engine_losses(again, x, 1)
     given = actcfg.apply(again.module, handle.plan.policy_yaml)
     assert planned == engine_losses(again, x)
