@@ -175,7 +175,8 @@ def _zero_buffers(optimizer: Any) -> int:
     its first reduction; and the profile holds each parameter's whole gradient to the step's
     end, where ZeRO-2 frees each once reduced (ZeRO-1 holds them as the profile does). So the
     profile counts at least what the run allocates, by about (1 - 1/ranks) of the gradients
-    more under ZeRO-2."""
+    more under ZeRO-2. With `offload_optimizer` the partition lives on the host and is counted
+    on the device all the same: an upper bound there too."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     if not isinstance(optimizer, DeepSpeedZeroOptimizer):

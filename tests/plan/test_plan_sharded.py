@@ -344,12 +344,13 @@ def test_zero_plans_engine_module_changes_nothing_the_run_sees_and_trains_as_the
 @pytest.mark.slow
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("stage", [1, 2])
-def test_a_zero_step_holds_the_plans_budget_with_its_buckets(ds_env, stage):
+@pytest.mark.parametrize("overlap_comm", [False, True])  # True: two buckets (Lightning's default)
+def test_a_zero_step_holds_the_plans_budget_with_its_buckets(ds_env, stage, overlap_comm):
     """What the engine's own step allocates (engine(x), engine.backward), as the planner's meter
     counts it, fits the plan's budget; without the stand-in for DeepSpeed's buffers it would not."""
     from actcfg.plan.sharded import deepspeed_backward
 
-    engine, x = engine_of(stage, reduce_bucket_size=4 * BUCKET)
+    engine, x = engine_of(stage, reduce_bucket_size=4 * BUCKET, overlap_comm=overlap_comm)
     module = engine.module
     budget = halfway_budget(lambda: (module, x))
     handle = actcfg.apply(module, auto(budget), inputs=x)
