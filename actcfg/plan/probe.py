@@ -65,7 +65,9 @@ class Backward:
         try:
             grads = torch.autograd.grad(loss, self.apart, allow_unused=True)
         except RuntimeError as e:
-            if "Checkpointing is not compatible with .grad()" not in str(e):
+            # torch's words: "... use_reentrant=True, torch.utils.checkpoint is incompatible
+            # with .grad() ..." (2.13), "Checkpointing is not compatible with .grad() ..." before
+            if ".grad()" not in str(e) or "heckpoint" not in str(e):
                 raise
             # A reentrant checkpoint runs its own backward, which would write `.grad` and
             # fire the hooks this backward keeps away.

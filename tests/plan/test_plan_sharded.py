@@ -341,6 +341,47 @@ def test_zero_plans_engine_module_changes_nothing_the_run_sees_and_trains_as_the
     again.destroy()
 
 
+class Reentrant(nn.Module):
+    """A block checkpointed reentrantly by the model itself."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, x, use_reentrant=True)
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed
+def test_zero_refuses_a_model_that_checkpoints_reentrantly_and_leaves_no_gradient(ds_env):
+    import deepspeed
+
+    stack, x = offload_blocks(2)
+    # A parameter before the blocks: its gradient is reached only through the reentrant
+    # checkpoints' backward (whose own inputs are their tensor arguments, not the weights).
+    model = nn.Sequential(nn.Linear(64, 64), *(Reentrant(b) for b in stack.blocks))
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        config={"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}})
+    fired = []
+    watch = [p.register_post_accumulate_grad_hook(lambda p: fired.append(p)) for p in model.parameters()]
+    with pytest.raises(PlanError, match=r"^the model checkpoints reentrantly \(torch.utils.checkpoint "
+                       r"with use_reentrant=True, .*\), and under the DeepSpeed engine the profile's "
+                       r"backward takes the gradients with torch.autograd.grad, which a reentrant "
+                       r"checkpoint refuses; turn that checkpointing off \(the plan "
+                       r"checkpoints what it needs\) or make it non-reentrant$"):
+        actcfg.apply(engine.module, auto(1 << 30), inputs=x)
+    for h in watch:
+        h.remove()
+    assert fired == []  # the reentrant block's inner backward never ran
+    assert all(p.grad is None for p in model.parameters())
+    assert engine_losses(engine, x, 1)  # the engine still trains
+    engine.destroy()
+
+
 @pytest.mark.slow
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("stage", [1, 2])
