@@ -1,5 +1,7 @@
 """Planning a model as it trains when its parameters are sharded (FSDP2's `fully_shard`), on
-every rank of the group; and the wrappers a profile cannot run under (DDP, the DeepSpeed engine).
+every rank of the group, or trained by the DeepSpeed engine with ZeRO-1/2 (`deepspeed_backward`:
+the profile's backward out of reach of ZeRO's gradient hooks, their step buffers stood in for);
+and the wrappers a profile cannot run under (DDP, ZeRO-3, the engine object itself).
 
 The profile runs the sharded model itself: FSDP2's own pre- and post-forward hooks gather each
 unit's parameters and free them after, so the gathered parameters count toward every peak the
