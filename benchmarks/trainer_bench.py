@@ -16,9 +16,9 @@ Workloads (issue 18's targets):
   d_model 2048, batch 8, sequence 2048, bf16), SGD. Rows: plain; `mode: full` on every `Block`;
   `mode: auto` halfway between full's peak and plain's (`ActivationPolicy`); the plan reused.
   Target: as for hf, against checkpointing every block.
-* `lightning-deepspeed`: the same under `DeepSpeedStrategy(stage=2)`, bf16-mixed. Planning in a
-  DeepSpeed run is refused (the engine's gradient hooks would fire in the profile's backward
-  passes), so the plan row reuses the `lightning` workload's plan file. Rows: plain, full, plan.
+* `lightning-deepspeed`: the same under `DeepSpeedStrategy(stage=2)`, bf16-mixed, planned on its
+  own first batch (the profile's backward keeps ZeRO's gradient hooks out, and counts a stand-in
+  for its reduce buckets: docs/trainers.md). Rows as for `lightning`.
 
 Every row measures what `memory_budget` bounds, as the planner and the callbacks do: per step,
 from the step's start to just before the optimizer step, the GPU memory peak above what was
@@ -81,7 +81,6 @@ class Row:
     and `outside` (the rest of what `plan_seconds` spent beyond the profile: writing and
     applying the plan, the integration's checks)."""
     plan: list[dict[str, str]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
 
 
 class _Clock:
@@ -229,9 +228,9 @@ def hf_rows(args: argparse.Namespace) -> list[Row]:
 # --- Lightning, the blocks stack ------------------------------------------------------------------
 
 
-def lightning_rows(args: argparse.Namespace, deepspeed: bool, reuse: tuple[Path, int] | None) -> list[Row]:
-    """The rows of one Lightning workload; with `reuse` (the plan file the default strategy's
-    run wrote, and its budget), the plan row applies that file instead of planning."""
+def lightning_rows(args: argparse.Namespace, deepspeed: bool) -> list[Row]:
+    """The rows of one Lightning workload: plain, full, a plan made on the first batch, and the
+    plan file it wrote applied without planning."""
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -304,19 +303,11 @@ def lightning_rows(args: argparse.Namespace, deepspeed: bool, reuse: tuple[Path,
 
     full = "version: 1\ncheckpoint: {mode: full, modules: [Block]}\n"
     out = [run("plain"), run("actcfg full", ActivationPolicy(full))]
-    if reuse is None:
-        budget = GiB if args.tiny else (out[0].peak + out[1].peak) // 2
-        auto = f"version: 1\ncheckpoint: {{mode: auto, modules: [Block]}}\nmemory_budget: {budget}\n"
-        out.append(run("actcfg plan (first batch)", ActivationPolicy(auto), budget))
-        plan_file = _folder(args.out, workload, "actcfg plan (first batch)") / "actcfg-plan.yaml"
-        out.append(run("actcfg plan (plan_file)", ActivationPolicy(auto, plan_file=plan_file), budget))
-    elif reuse[0].is_file():
-        plan_file, budget = reuse
-        auto = f"version: 1\ncheckpoint: {{mode: auto, modules: [Block]}}\nmemory_budget: {budget}\n"
-        out.append(run("actcfg plan (plan_file of lightning)", ActivationPolicy(auto, plan_file=plan_file),
-                       budget))
-    else:
-        out[-1].notes.append(f"no plan file at {reuse[0]}: plan row skipped")
+    budget = GiB if args.tiny else (out[0].peak + out[1].peak) // 2
+    auto = f"version: 1\ncheckpoint: {{mode: auto, modules: [Block]}}\nmemory_budget: {budget}\n"
+    out.append(run("actcfg plan (first batch)", ActivationPolicy(auto), budget))
+    plan_file = _folder(args.out, workload, "actcfg plan (first batch)") / "actcfg-plan.yaml"
+    out.append(run("actcfg plan (plan_file)", ActivationPolicy(auto, plan_file=plan_file), budget))
     return out
 
 
@@ -408,12 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     if "hf" in wanted:
         rows += hf_rows(args)
     if "lightning" in wanted:
-        rows += lightning_rows(args, deepspeed=False, reuse=None)
+        rows += lightning_rows(args, deepspeed=False)
     if "lightning-deepspeed" in wanted and not args.tiny:  # Lightning's DeepSpeedStrategy needs CUDA
-        planned = next((r for r in rows if r.workload == "lightning" and r.budget is not None), None)
-        plan_file = _folder(args.out, "lightning", "actcfg plan (first batch)") / "actcfg-plan.yaml"
-        rows += lightning_rows(args, deepspeed=True,
-                               reuse=(plan_file, planned.budget if planned and planned.budget else 0))
+        rows += lightning_rows(args, deepspeed=True)
     prove(rows)
     verdicts = targets(rows)
     meta = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
