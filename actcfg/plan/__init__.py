@@ -69,8 +69,10 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
     step's loss): a rank that cannot plan makes every rank raise its sentence.
 
     A model sharded with FSDP2 is profiled as it trains, its parameters gathered per unit and
-    its gradients reduce-scattered in each profiled step (`actcfg.plan.sharded`); DDP and the
-    DeepSpeed engine are refused.
+    its gradients reduce-scattered in each profiled step (`actcfg.plan.sharded`); the module of a
+    DeepSpeed engine with ZeRO-1/2 (or none) is profiled with its backward apart from ZeRO's
+    gradient hooks and a stand-in for its reduce buckets; DDP, ZeRO-3 and the engine object
+    itself are refused.
 
     What the training loop does around the model, as the profile cannot see it: `outputs_held`,
     whether it holds the model's outputs through backward (`Probe.step`); `accumulating`,
