@@ -54,6 +54,76 @@ def test_checkpoint_and_cpu_offload_hold_one_input_forward_and_two_backward():
     assert st.device_bytes == 0
 
 
+FULL_CPU = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]}, "cpu_checkpointing": True}
+
+
+def _held_at_recompute_peaks(model, x, cfg, steps=2):
+    """The bytes the engine holds on the device at each block's recompute peak, read in the last
+    step (gradients kept across steps, as DDP/FSDP/DeepSpeed buckets keep them): a pre-hook on
+    the block's `fc2`, which runs in the recompute once the MLP's wide activations (fc1's output
+    and GELU's) exist, the most the recompute holds; also the gradients and the engine's stats."""
+    in_backward = [False]
+    held: dict[int, list[int]] = {}
+    with host_loopback(), apply(model, cfg) as handle:
+        engine = handle.engine
+
+        def reading(k):
+            def hook(module, args):
+                if in_backward[0]:  # the recompute, not the forward
+                    held.setdefault(k, []).append(engine.stats.device_bytes)
+            return hook
+
+        hooks = [b.fc2.register_forward_pre_hook(reading(k)) for k, b in enumerate(model.blocks)]
+        try:
+            for _ in range(steps):
+                model.zero_grad(set_to_none=False)
+                held.clear()
+                loss = model(x).square().mean()
+                in_backward[0] = True
+                loss.backward()
+                in_backward[0] = False
+        finally:
+            for h in hooks:
+                h.remove()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        return held, grads, engine.stats
+
+
+def _checkpoint_only_grads(steps=2):
+    model, x = _stack()
+    with apply(model, {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]}}):
+        for _ in range(steps):
+            model.zero_grad(set_to_none=False)
+            model(x).square().mean().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_through_each_recompute_the_engine_holds_only_the_block_being_recomputed(reentrant):
+    """Checkpoint + cpu_checkpointing, issue 17's n - 2: checkpointing alone holds the inputs of
+    every block below at the first block's recompute peak; the engine must hold the input of the
+    block being recomputed there and nothing more. The input of the block below is reloaded
+    only once the block's backward is past that peak (half its weight gradients in), still
+    under the rest of its backward; before, it was reloaded as the recompute began and held
+    through its peak (2 block inputs at every recompute but the lowest). Gradients are
+    bitwise those of checkpointing alone, and every reload was started ahead of its use."""
+    model, x = _stack()
+    one = x.numel() * x.element_size()
+    cfg = {**FULL_CPU, "checkpoint": {**FULL_CPU["checkpoint"], "reentrant": reentrant}}
+    held, grads, st = _held_at_recompute_peaks(model, x, cfg)
+    # block 0's input is the caller's batch (it stays, not the engine's); each other block's
+    # input is the engine's, and the only one it holds there
+    assert held == {k: [one if k else 0] for k in range(N)}
+    assert st.most_backward_device_bytes == 2 * one  # after the peak: the block's own and the one below
+    assert st.most_recompute_device_bytes == one
+    assert (st.deferred_reloads, st.missed_deferrals, st.late_reloads) == (N, 0, 0)
+    assert st.reloaded_bytes == st.offloaded_bytes == (N - 2) * one
+    want = _checkpoint_only_grads()
+    assert grads.keys() == want.keys()
+    for name in want:
+        assert torch.equal(grads[name], want[name]), name
+
+
 def test_the_callers_batch_stays_where_it_is():
     """The model's input, needing no gradient, is saved by the first checkpointed block: its
     owner holds it for the whole step, so moving it would free nothing, and reloading it would
