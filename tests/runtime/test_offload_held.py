@@ -124,6 +124,89 @@ def test_through_each_recompute_the_engine_holds_only_the_block_being_recomputed
         assert torch.equal(grads[name], want[name]), name
 
 
+def test_keep_last_0_brings_the_last_input_back_only_when_its_recompute_needs_it():
+    """`keep_last: 0` (rules): the last block's input leaves the device too, and comes back as
+    its recompute begins (the one reload not prefetched: nothing runs before it in backward to
+    hide it); the reload below it still waits for the block's gradients, so every recompute
+    holds its own input alone, as with keep_last 1."""
+    model, x = _stack()
+    one = x.numel() * x.element_size()
+    cfg = {"version": 1, "checkpoint": {"mode": "rules", "keep_last": 0, "rules": [
+        {"modules": ["Block"], "mode": "full", "cpu_checkpointing": True}]}}
+    held, grads, st = _held_at_recompute_peaks(model, x, cfg)
+    assert held == {k: [one if k else 0] for k in range(N)}
+    assert st.kept_bytes == 0 and st.offloaded_bytes == st.reloaded_bytes == (N - 1) * one
+    assert (st.late_reloads, st.deferred_reloads, st.missed_deferrals) == (1, N, 0)
+    want = _checkpoint_only_grads()
+    for name in want:
+        assert torch.equal(grads[name], want[name]), name
+
+
+def test_blocks_with_no_gradients_of_their_own_reload_the_block_below_as_their_recompute_begins():
+    """The signal is the block's own parameters' gradients: with every parameter frozen after
+    `apply` (the input still needs its gradient, so the blocks are recomputed), none comes, and
+    the engine reloads the block below at the recompute's start, as before the signal: nothing
+    waits for a gradient that cannot come, and every reload is still ahead of its use."""
+    model, x = _stack()
+    one = x.numel() * x.element_size()
+    with host_loopback(), apply(model, FULL_CPU) as handle:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for _ in range(2):
+            model(x).square().mean().backward()
+        st = handle.engine.stats
+    assert (st.deferred_reloads, st.missed_deferrals, st.late_reloads) == (0, 0, 0)
+    assert st.most_recompute_device_bytes == 2 * one
+
+
+def test_gradients_that_never_accumulate_settle_the_wait_when_the_block_below_is_needed():
+    """torch.autograd.grad accumulates no gradient, so the signal never comes: when the block
+    below is needed its reload starts (the unpack waits for it: the gradients are right), and
+    from then on that block's reload below starts with its recompute, as without the signal."""
+    model, x = _stack()
+    one = x.numel() * x.element_size()
+    params = list(model.parameters())
+    got = []
+    with host_loopback(), apply(model, FULL_CPU) as handle:
+        misses = []
+        for _ in range(2):
+            got = torch.autograd.grad(model(x).square().mean(), params)
+            st = handle.engine.stats
+            misses.append((st.missed_deferrals, st.deferred_reloads, st.late_reloads))
+        recompute_held = handle.engine.stats.most_recompute_device_bytes
+    # the first backward: every block's wait but the lowest's is settled by the block below
+    assert misses == [(N - 1, 0, 0), (0, 0, 0)]
+    assert recompute_held == 2 * one
+    plain, _ = _stack()
+    with apply(plain, {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]}}):
+        want = torch.autograd.grad(plain(x).square().mean(), list(plain.parameters()))
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.slow
+def test_a_compiled_block_reloads_the_block_below_as_its_backward_begins():
+    """A compiled block's backward is one autograd node that gives its gradients only when it
+    is done: waiting for them would leave the copy uncovered, so the engine does not wait (it
+    sees the compiled node, not one of the block's own ops, unpacking the input)."""
+    torch._dynamo.reset()
+    model, x = _stack()
+    want = _checkpoint_only_grads()
+    cfg = {"version": 1, "checkpoint": {"mode": "rules", "rules": [
+        {"modules": ["Block"], "mode": "full", "cpu_checkpointing": True}]},
+        "compile": {"scope": "blocks", "backend": "aot_eager"}}
+    with host_loopback(), apply(model, cfg) as handle:
+        for _ in range(2):
+            model.zero_grad(set_to_none=False)
+            model(x).square().mean().backward()
+        st = handle.engine.stats
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    torch._dynamo.reset()
+    assert st.offloaded_bytes > 0
+    assert (st.deferred_reloads, st.missed_deferrals, st.late_reloads) == (0, 0, 0)
+    for name in want:
+        torch.testing.assert_close(grads[name], want[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_the_callers_batch_stays_where_it_is():
     """The model's input, needing no gradient, is saved by the first checkpointed block: its
     owner holds it for the whole step, so moving it would free nothing, and reloading it would
