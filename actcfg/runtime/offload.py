@@ -91,7 +91,7 @@ from actcfg.runtime.host_budget import NodeBudget
 from actcfg.runtime.offload_pool import HostPool, borrow_shared_pool
 from actcfg.runtime.offload_stats import OffloadStats, OffloadWarning, no_effect_reason
 
-__all__ = ["MIN_OFFLOAD_BYTES", "WINDOW_STORAGES", "GradProgress", "OffloadEngine", "OffloadStats", "OffloadWarning", "host_loopback", "loopback_enabled"]
+__all__ = ["MIN_OFFLOAD_BYTES", "WINDOW_STORAGES", "OffloadEngine", "OffloadStats", "OffloadWarning", "host_loopback", "loopback_enabled"]
 
 _LOOPBACK = threading.local()
 
@@ -389,7 +389,8 @@ class GradProgress:
     always waits for its reload, so a signal that comes late (or never) costs time, never
     correctness: if a lower group is needed first, its reload starts then, and this module's
     later backwards reload at once (`missed`), as a module without parameters of its own that
-    require grad always does.
+    require grad always does. Made by `OffloadEngine.mark_group(recomputed=module)` at the
+    module's first call; its hooks come off with `OffloadEngine.close`.
     """
 
     def __init__(self, engine: OffloadEngine, module: nn.Module) -> None:
@@ -554,6 +555,7 @@ class OffloadEngine:
         # module's gradients (`GradProgress`); settled when the signal comes or a lower group
         # is needed first.
         self._deferred: list[_Group] = []
+        self._progress: weakref.WeakKeyDictionary[nn.Module, GradProgress] = weakref.WeakKeyDictionary()
         self._closed = False
         self._warned_no_effect = False
         # Unpin the pool even if close() is never called: freed memory must not stay registered.
@@ -600,24 +602,23 @@ class OffloadEngine:
         self._begin_step(inputs)
 
     @torch.compiler.disable
-    def mark_group(self, offload: bool = True, *, progress: GradProgress | None = None) -> None:
+    def mark_group(self, offload: bool = True, *, recomputed: nn.Module | None = None) -> None:
         """A block boundary: start offloading the group saved so far (if it is marked for
         offload and not among the last `keep_last`), open a new one. `offload=False`: the new
-        group's tensors stay on the device (counted in `kept_by_rule_bytes`). `progress`: the new
-        group is a checkpointed module's (see `grad_progress`): in backward the group below is
-        reloaded once that module's backward is past its recompute's peak. Returns None, so it
-        can serve as a forward pre-hook as it is (a pre-hook's return value replaces the input);
-        `open_group_index` is the index of the group it opened."""
+        group's tensors stay on the device (counted in `kept_by_rule_bytes`). `recomputed`: the
+        checkpointed module being entered, whose inputs the new group holds: its backward begins
+        by recomputing it, and the group below is reloaded only once that backward is past the
+        recompute's peak (`GradProgress`, hooked on the module's parameters until `close`).
+        Returns None, so it can serve as a forward pre-hook as it is (a pre-hook's return value
+        replaces the input); `open_group_index` is the index of the group it opened."""
         if self._step is None or self._owner != threading.get_ident():
             return
         self._open_group(offload, gap=False)
-        self._open.progress = progress
-
-    def grad_progress(self, module: nn.Module) -> GradProgress:
-        """Follow `module`'s backward through its parameters' gradients, for `mark_group`: the
-        module is checkpointed, and the reload of the group below its group waits until half its
-        parameter bytes have their gradient. `remove()` it with the policy."""
-        return GradProgress(self, module)
+        if recomputed is not None:
+            progress = self._progress.get(recomputed)
+            if progress is None:  # the module's first call (a copy of the model has its own)
+                progress = self._progress[recomputed] = GradProgress(self, recomputed)
+            self._open.progress = progress
 
     @property
     def open_group_index(self) -> int | None:
@@ -1050,6 +1051,9 @@ class OffloadEngine:
             return
         self._closed = True
         self._inflight.clear()
+        for progress in list(self._progress.values()):
+            progress.remove()  # no hook of the engine's outlives it on the modules' parameters
+        self._progress.clear()
         self._unpin_at_exit()
 
 

@@ -33,7 +33,7 @@ from actcfg.runtime.wrap import (
 )
 from actcfg.backends.torch import CHECKPOINT_API
 from actcfg.errors import PolicyApplyError, TranslationError
-from actcfg.runtime.offload import GradProgress, OffloadEngine, loopback_enabled
+from actcfg.runtime.offload import OffloadEngine, loopback_enabled
 from actcfg.runtime.handle import AppliedPolicy
 from actcfg.runtime.reports import CheckpointCounters, CheckpointReport, OffloadReport, RuleReport
 from actcfg.policy.schema import Policy
@@ -270,14 +270,14 @@ class _OffloadScope(NotPicklable):
 
     @torch.compiler.disable
     def mark(self, module: nn.Module, args: tuple[Any, ...], name: str = "", offload: bool = True,
-             progress: GradProgress | None = None) -> None:
+             recomputed: bool = False) -> None:
         if not self.engine.in_step() and self._training(module):
             self._close_group_step()
             step = self.engine.step()
             step.__enter__()
             self.opened_at_group = step
             self._begin()
-        self.engine.mark_group(offload, progress=progress)
+        self.engine.mark_group(offload, recomputed=module if recomputed else None)
         index = self.engine.open_group_index
         if index is not None:
             self.group_names[index] = name
@@ -356,15 +356,11 @@ def _apply_offload(model: nn.Module, plan: OffloadPlan, selected: list[tuple[str
         if module is enclosing:  # the only group (nested ones are refused): the step marks it
             scope.own_group = (name, True if offloads is None else offloads[k])
             continue
-        # A checkpointed module's backward begins with its recompute: the group below is
-        # reloaded once that backward is past the recompute's peak (GradProgress).
+        # A checkpointed module's backward begins with its recompute: the engine reloads the
+        # group below once that backward is past the recompute's peak.
         checkpointed = plan.scope == "checkpoint_inputs" if recomputed is None else recomputed[k]
-        progress = None
-        if checkpointed:
-            progress = engine.grad_progress(module)
-            handle.undo.push(progress.remove)
         mark = functools.partial(scope.mark, name=name,
-                                 offload=True if offloads is None else offloads[k], progress=progress)
+                                 offload=True if offloads is None else offloads[k], recomputed=checkpointed)
         # prepend: the boundary is marked before any other pre-hook of the block saves tensors.
         handle.undo.push(module.register_forward_pre_hook(mark, prepend=True).remove)
         if rules:

@@ -7,6 +7,7 @@ backward than `keep_last + 1`."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -140,6 +141,25 @@ def test_keep_last_0_brings_the_last_input_back_only_when_its_recompute_needs_it
     want = _checkpoint_only_grads()
     for name in want:
         assert torch.equal(grads[name], want[name]), name
+
+
+def test_a_copy_of_the_model_waits_for_its_own_gradients_and_remove_takes_every_hook_off():
+    """A deep copy offloads through the same engine (`_OffloadScope` is shared): its blocks get
+    their own gradient hooks at their first call, so its waits end on its own gradients, not
+    the original's; `remove()` takes every hook the engine put on either model's parameters."""
+    model, x = _stack()
+    with host_loopback():
+        handle = apply(model, FULL_CPU)
+        twin = copy.deepcopy(model)
+        for m in (model, twin, model):
+            for _ in range(2):
+                m.zero_grad(set_to_none=False)
+                m(x).square().mean().backward()
+            st = handle.engine.stats
+            assert (st.deferred_reloads, st.missed_deferrals, st.late_reloads) == (N, 0, 0)
+        assert all(p._post_accumulate_grad_hooks for m in (model, twin) for p in m.parameters())
+        handle.remove()
+    assert not any(p._post_accumulate_grad_hooks for m in (model, twin) for p in m.parameters())
 
 
 def test_blocks_with_no_gradients_of_their_own_reload_the_block_below_as_their_recompute_begins():
