@@ -327,7 +327,7 @@ def _measured(**kw) -> Measurements:
         plain=RunMeasurement(tuple(B * (i + 1) for i in range(8)), 12 * B, 0.1),
         policy=RunMeasurement(FLAT, 4 * B, 0.1),
         grads=(GradDiff("w", 0.0),), dtype="bfloat16", offloaded_bytes=6 * B,
-        forward_held_bytes=2 * B, backward_held_bytes=2 * B, keep_last=1, **kw)
+        forward_held_bytes=2 * B, backward_held_bytes=2 * B, recompute_held_bytes=B, keep_last=1, **kw)
 
 
 def _held(m: Measurements):
@@ -341,6 +341,9 @@ def test_verify_passes_two_inputs_held_in_backward_and_says_what_the_schedule_al
     assert v.message.startswith("backward held 2.0 block inputs on the GPU at most, against the 2 "
                                 "the schedule allows (keep_last 1")
     assert "forward held 2.0 at most" in v.message
+    # through a recompute the block below is not back yet: reported beside the backward count
+    assert v.message.endswith("; through a recompute 1.0, against 1 where the block below waits "
+                              "for the block's gradients")
 
 
 @pytest.mark.parametrize(("keep_last", "held", "ok"), [(1, 3, False), (2, 3, True), (0, 2, True), (2, 4, False)])
