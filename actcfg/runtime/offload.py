@@ -32,6 +32,14 @@ fastest offload runtimes do (../shared/reference/BACKENDS.md section 3):
   compute stream waits for a reload before the first view of it is used, and frees it when its
   last view is done: no `record_stream`, whose deferred frees kept reloaded block inputs
   allocated while backward's host thread ran ahead of the GPU.
+* A checkpointed module's group (`mark_group(recomputed=module)`): its backward begins with the
+  recompute, the block's peak. The groups below it are reloaded only once half the module's
+  parameter bytes have their gradient in that backward (`GradProgress`), past the peak and with
+  the rest of the block's backward to hide the copy; so through a recompute the engine holds
+  the input being recomputed alone (and the groups kept at the turn above it), and checkpoint +
+  cpu_checkpointing saves n - 2 block inputs against checkpointing alone, not n - 3. Where the
+  gradients cannot say it in time (a compiled region's backward, no parameters of its own that
+  require grad) the reload starts with the recompute, as for any other group.
 * Host memory comes from a pool (`actcfg.runtime.offload_pool`) reused across steps: page-locked
   (pinned) buffers registered with `cudaHostRegister` at their exact size (torch's pinned
   allocator rounds every request up to a power of two), never more than `pin_budget` in total,
