@@ -389,8 +389,9 @@ class GradProgress:
     gradient in this backward (`post_accumulate_grad` hooks): each gradient arrives as the op
     that used its weight is done, so by then the ops holding half the weights have run and freed
     their saved activations; in a transformer block that is its MLP (fc2 and fc1 are two thirds
-    of its weights), past the widest ones. On the CPU blocks stack, in block inputs above the
-    step's start: the recompute ends at 24, fc2's backward peaks at 28.3, GELU's backward (just
+    of its weights), past the widest ones. On a CPU blocks stack (d_model 128, ffn 512, float32,
+    counted by the planner's LiveBytes), in block inputs above the step's start: the recompute
+    ends at 24, fc2's backward peaks at 28.3, GELU's backward (just
     after fc2's gradient, the first signal one could take) at 28.05, which a reload there would
     push to 29.05; after fc1's gradient the block never exceeds 20.3. The copy is then hidden
     by the rest of the block's backward (attention, in a transformer block). The input's unpack
@@ -968,7 +969,7 @@ class OffloadEngine:
         torch's CheckpointFunction, which runs the module's backward inside its own). A compiled
         region's backward (or another custom Function) gives its gradients only when it is
         done: waiting for them would leave the copy uncovered, so the reload starts now."""
-        node = torch._C._current_autograd_node()
+        node = _current_autograd_node()
         forward = getattr(type(node), "_forward_cls", None)
         if node is None or (forward is not None and forward is not CheckpointFunction):
             return False
@@ -1088,6 +1089,10 @@ class _StepScope:
         self.hooks.__exit__(kind, value, tb)
         self.engine._end_step(judge=kind is None)
 
+
+# The autograd node backward is running (None outside backward, or in a torch without it: then
+# no reload waits for a signal, and the schedule is the one before GradProgress).
+_current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 
 # The copy windows, per `max_inflight` (forward) and per `prefetch` (backward), in the largest
 # storage moved in a step. On the H200 blocks stack with everything offloaded (8 blocks, 16

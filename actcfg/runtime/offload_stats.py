@@ -75,9 +75,9 @@ class OffloadStats:
     late_reloads: int = 0
     """Storages in the last backward whose reload was not prefetched (started only when needed)."""
     deferred_reloads: int = 0
-    """Checkpointed groups in the last backward whose group below was reloaded once their
-    module's backward was past its recompute's peak (half its parameters' gradients in), not as
-    the recompute began."""
+    """Checkpointed groups in the last backward whose reload of the groups below waited until
+    their module's backward was past its recompute's peak (half its parameters' gradients in),
+    instead of starting as the recompute began."""
     missed_deferrals: int = 0
     """Checkpointed groups in the last backward whose module's gradients came only after the
     group below was needed (shared or replaced parameters, torch.autograd.grad): that reload
