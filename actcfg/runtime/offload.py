@@ -394,11 +394,14 @@ class GradProgress:
     ends at 24, fc2's backward peaks at 28.3, GELU's backward (just
     after fc2's gradient, the first signal one could take) at 28.05, which a reload there would
     push to 29.05; after fc1's gradient the block never exceeds 20.3. The copy is then hidden
-    by the rest of the block's backward (attention, in a transformer block). The input's unpack
-    always waits for its reload, so a signal that comes late (or never) costs time, never
-    correctness: if a lower group is needed first, its reload starts then, and this module's
-    later backwards reload at once (`missed`), as a module without parameters of its own that
-    require grad always does. Made by `OffloadEngine.mark_group(recomputed=module)` at the
+    by the rest of the block's backward (attention, in a transformer block). A module whose
+    signal leaves less than a quarter of its parameter bytes to come (one Linear: its weight is
+    all of them) has nothing left to hide the copy behind: waiting only exposes it, so its
+    later backwards reload at once (`missed`), as before. The input's unpack always waits for
+    its reload, so a signal that comes late (or never) costs time, never correctness: if a
+    lower group is needed first, its reload starts then, and this module's later backwards
+    reload at once (`missed`), as a module without parameters of its own that require grad
+    always does. Made by `OffloadEngine.mark_group(recomputed=module)` at the
     module's first call; its hooks come off with `OffloadEngine.close`.
     """
 
@@ -412,8 +415,9 @@ class GradProgress:
         self._hooks = [p.register_post_accumulate_grad_hook(self._arrived) for p in params]
         self.waiting: _Group | None = None  # the group whose reload below waits, in this backward
         self.arrived = 0  # parameter bytes whose gradient came since it began to wait
-        self.need = 0  # half the module's parameter bytes that require grad now
-        self.missed = False  # the signal once came after the group below was needed
+        self.total = 0  # the module's parameter bytes that require grad now
+        self.need = 0  # half of them
+        self.missed = False  # the signal once came too late to help: the reload no longer waits
 
     def arm(self, group: _Group) -> bool:
         """`group`'s recompute begins: count from now. False when there is nothing to wait for
@@ -426,7 +430,7 @@ class GradProgress:
                     if (p := ref()) is not None and id(p) in current and p.requires_grad)
         if total == 0:
             return False
-        self.need, self.arrived, self.waiting = (total + 1) // 2, 0, group
+        self.total, self.need, self.arrived, self.waiting = total, (total + 1) // 2, 0, group
         return True
 
     @torch.compiler.disable
@@ -440,7 +444,8 @@ class GradProgress:
             if engine is None:
                 self.waiting = None
             else:
-                engine._past_peak(group)
+                # Under a quarter still to come: the module's backward is all but done.
+                engine._past_peak(group, missed=4 * (self.total - self.arrived) < self.total)
 
     def remove(self) -> None:
         """Take the hooks off the module's parameters."""
@@ -984,8 +989,9 @@ class OffloadEngine:
         return True
 
     def _past_peak(self, group: _Group, missed: bool = False) -> None:
-        """`group`'s module is past its recompute's peak (or, `missed`, a group below is needed
-        before the signal came): start the reloads below it that waited."""
+        """`group`'s module is past its recompute's peak (`missed`: a group below is needed
+        before the signal came, or it came with the module's backward all but done): start the
+        reloads below it that waited."""
         seq, group.deferred_seq = group.deferred_seq, None
         if group in self._deferred:
             self._deferred.remove(group)
@@ -996,7 +1002,8 @@ class OffloadEngine:
             return
         if missed:
             # The module's gradients come after the group below is needed (shared or replaced
-            # parameters, torch.autograd.grad): its later backwards reload at once, as before.
+            # parameters, torch.autograd.grad), or only as its backward ends (one Linear):
+            # waiting hides nothing, so its later backwards reload at once, as before.
             if progress is not None:
                 progress.missed = True
             self._stats.missed_deferrals += 1

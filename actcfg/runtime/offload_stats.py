@@ -79,9 +79,11 @@ class OffloadStats:
     their module's backward was past its recompute's peak (half its parameters' gradients in),
     instead of starting as the recompute began."""
     missed_deferrals: int = 0
-    """Checkpointed groups in the last backward whose module's gradients came only after the
-    group below was needed (shared or replaced parameters, torch.autograd.grad): that reload
-    started then, and the module's later backwards reload at once, as without the signal."""
+    """Checkpointed groups in the last backward whose module's gradients came too late to help:
+    after the group below was needed (shared or replaced parameters, torch.autograd.grad), or
+    only as the module's backward ended (less than a quarter of its parameter bytes still to
+    come, as in a lone Linear). The module's later backwards reload at once, as without the
+    signal."""
     kept_views: int = 0
     """Saved views of a storage over 4x their size, left on the GPU in the last step."""
     copy_waits: int = 0

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch import nn
 
 from actcfg.runtime import offload
 from actcfg.runtime.offload import OffloadEngine, host_loopback
@@ -19,6 +20,7 @@ from actcfg.api import apply
 from actcfg.policy.schema import Policy
 from actcfg.verification import GradDiff, Measurements, RunMeasurement, judge
 from actcfg.verification.models import blocks
+from _helpers import Layer
 
 N = 8
 
@@ -160,6 +162,27 @@ def test_a_copy_of_the_model_waits_for_its_own_gradients_and_remove_takes_every_
         assert all(p._post_accumulate_grad_hooks for m in (model, twin) for p in m.parameters())
         handle.remove()
     assert not any(p._post_accumulate_grad_hooks for m in (model, twin) for p in m.parameters())
+
+
+def test_a_block_whose_gradients_come_only_at_its_end_stops_waiting_for_them():
+    """A checkpointed Linear + GELU: its weight is nearly all its parameter bytes, so the signal
+    comes as its backward ends, with nothing left to hide the reload behind (on a GPU it would
+    be exposed in every layer). After one such backward the engine reloads the layer below as
+    the recompute begins, as before: counted as missed once, then not waited for."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Layer(512) for _ in range(4)))
+    x = torch.randn(512, 512, requires_grad=True)  # one layer input: 1 MiB
+    one = x.numel() * x.element_size()
+    cfg = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Layer"]}, "cpu_checkpointing": True}
+    counts = []
+    with host_loopback(), apply(model, cfg) as handle:
+        for _ in range(3):
+            model(x).square().mean().backward()
+            st = handle.engine.stats
+            counts.append((st.deferred_reloads, st.missed_deferrals, st.late_reloads))
+        recompute_held = handle.engine.stats.most_recompute_device_bytes
+    assert counts == [(0, 4, 0), (0, 0, 0), (0, 0, 0)]
+    assert recompute_held == 2 * one  # the layer in use and the one below, as before the signal
 
 
 def test_blocks_with_no_gradients_of_their_own_reload_the_block_below_as_their_recompute_begins():
