@@ -176,13 +176,9 @@ class _Terms:
         one by one through its backward, a checkpoint's inputs are all used as its recompute
         begins (then they are the block's own activations, in its `backward_peak`)."""
         below = self.moved(b - 1, p1) if b >= 1 else 0
-        base = _base(c)
-        if base is not None and b < self.n and CHOICE_OF[base].mode != "none":
-            # the model as the solver states it (not part of the bounds): the engine reloads
-            # the block below a recomputed one past its recompute's peak
-            below = 0
         if not self.back_window:
             return below
+        base = _base(c)
         own = self.moved(b, c) if b < self.n and base is not None and CHOICE_OF[base].mode == "none" else 0
         return min(below + own, self.back_window)
 

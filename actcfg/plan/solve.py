@@ -21,9 +21,8 @@ the sum of their `held`; M_b: bytes block b copies each way; d_b, h_b: those cop
   flight during b's forward: block b-1's copy (within W, or whole for the last offloaded
   block), and block b-2's if it is still running (its copy is longer than block b-1's forward,
   and nothing waited for it); a copy that takes no time (the host loopback's) is done at once.
-  Reloads ahead during b's backward: block b-1's storages (none under a recomputed block: the
-  engine reloads them past its recompute's peak), and b's own where it offloads without
-  recompute, within `window_storages` x `largest_storage` (one prefetch). A profile
+  Reloads ahead during b's backward: block b-1's storages, and b's own where it offloads
+  without recompute, within `window_storages` x `largest_storage` (one prefetch). A profile
   without the window (W = 0) counts whole blocks, as the engine's first step copies them.
 * step time = the plain step + each block's `extra_ms` (recompute, and what its uniform run
   measured beyond this model) + the copy time nothing hides: a block's copy to the host hides
@@ -242,8 +241,7 @@ class _Terms:
         window (`window_storages` of the largest storage), which block b's own storages share
         with block b-1's until they are used: an offload without recompute uses its storages
         one by one through its backward, a checkpoint's inputs are all used as its recompute
-        begins (then they are the block's own activations, in its `backward_peak`). Under a
-        recomputed block, block b-1's reload comes past its recompute's peak: none ahead."""
+        begins (then they are the block's own activations, in its `backward_peak`)."""
         base = _base(c)
         below = self.moved(b - 1, p1) if b >= 1 else 0
         if base is not None and b < self.n and CHOICE_OF[base].parts:
@@ -252,15 +250,6 @@ class _Terms:
             # reload starts only under its first part, after the larger recomputes (a CPU stack
             # of attention and MLP parts: counting it there put a split_offload last block 2 MiB
             # under what it measured, beside split blocks).
-            below = 0
-        elif base is not None and b < self.n and CHOICE_OF[base].mode != "none":
-            # A recomputed block: the engine reloads block b-1 only once b's backward is past
-            # its recompute's peak (GradProgress), so the reload is in the measured
-            # `backward_peak` where it raises it and nowhere else. Counted here, the cost model
-            # took it off the uniform run's peak and a full_offload block above a kept one came
-            # out a block input under what it measured (CPU blocks stack: 94.78 predicted
-            # against 95.78 block inputs). Where the engine cannot wait (compiled blocks) the
-            # reload is in the peak measured, and this errs high.
             below = 0
         if not self.back_window:
             return below
