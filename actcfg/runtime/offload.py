@@ -39,7 +39,8 @@ fastest offload runtimes do (../shared/reference/BACKENDS.md section 3):
   the input being recomputed alone (and the groups kept at the turn above it), and checkpoint +
   cpu_checkpointing saves n - 2 block inputs against checkpointing alone, not n - 3. Where the
   gradients cannot say it in time (a compiled region's backward, no parameters of its own that
-  require grad) the reload starts with the recompute, as for any other group.
+  require grad, a lone Linear whose gradients come as its backward ends) the reload starts with
+  the recompute, as for any other group.
 * Host memory comes from a pool (`actcfg.runtime.offload_pool`) reused across steps: page-locked
   (pinned) buffers registered with `cudaHostRegister` at their exact size (torch's pinned
   allocator rounds every request up to a power of two), never more than `pin_budget` in total,
