@@ -1,9 +1,11 @@
 """The engine's memory discipline, counted: what it holds on the device at once (its own count,
 `OffloadStats.device_bytes` and the forward/backward high-water marks) against what the schedule
 allows, on the CPU through the host loopback (every decision is the engine's own; a loopback copy
-is done when launched, so a group is given back at the next pack or boundary); and the verify
-verdict that fails a checkpoint + cpu_checkpointing policy holding more block inputs in
-backward than `keep_last + 1`."""
+is done when launched, so a group is given back at the next pack or boundary); what it holds
+through each checkpointed block's recompute (issue 17's n - 2: the block below comes back past
+the recompute's peak, on the block's gradient signal) and where that signal is not waited for;
+and the verify verdict that fails a checkpoint + cpu_checkpointing policy holding more block
+inputs in backward than `keep_last + 1`."""
 
 from __future__ import annotations
 
