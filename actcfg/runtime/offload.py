@@ -32,6 +32,15 @@ fastest offload runtimes do (../shared/reference/BACKENDS.md section 3):
   compute stream waits for a reload before the first view of it is used, and frees it when its
   last view is done: no `record_stream`, whose deferred frees kept reloaded block inputs
   allocated while backward's host thread ran ahead of the GPU.
+* A checkpointed module's group (`mark_group(recomputed=module)`): its backward begins with the
+  recompute, the block's peak. The groups below it are reloaded only once half the module's
+  parameter bytes have their gradient in that backward (`GradProgress`), past the peak and with
+  the rest of the block's backward to hide the copy; so through a recompute the engine holds
+  the input being recomputed alone (and the groups kept at the turn above it), and checkpoint +
+  cpu_checkpointing saves n - 2 block inputs against checkpointing alone, not n - 3. Where the
+  gradients cannot say it in time (a compiled region's backward, no parameters of its own that
+  require grad, a lone Linear whose gradients come as its backward ends) the reload starts with
+  the recompute, as for any other group.
 * Host memory comes from a pool (`actcfg.runtime.offload_pool`) reused across steps: page-locked
   (pinned) buffers registered with `cudaHostRegister` at their exact size (torch's pinned
   allocator rounds every request up to a power of two), never more than `pin_budget` in total,
@@ -83,6 +92,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import CheckpointFunction
 from torch.utils._pytree import tree_flatten
 
 from actcfg.errors import OffloadError
@@ -208,6 +218,11 @@ class _Group:
         # Its storages leave one by one as they are saved (from the second step on, where the
         # engine knows which groups stay for backward), not all at once when it closes.
         self.eager = False
+        # A checkpointed module's group: its backward recomputes the module, and the reload of
+        # the group below waits until that backward is past the recompute's peak (`GradProgress`).
+        self.progress: GradProgress | None = None
+        self.recompute_seen = False  # its backward has begun (a saved tensor of it unpacked)
+        self.deferred_seq: int | None = None  # the reload below waits, from this position down
 
     def live(self) -> list[_Chunk]:
         return [c for ref in self.chunks if (c := ref()) is not None]
@@ -362,6 +377,85 @@ class _Copy:
         self.nbytes = sum(c.nbytes for c in chunks)
 
 
+class GradProgress:
+    """How far a checkpointed module's backward has got, read from its parameters' gradients:
+    the moment its group's engine starts reloading the group below (issue 17's n - 2).
+
+    A checkpointed block's backward begins with its recompute, which brings back every activation
+    the block saves; the first backward ops then add their gradients on top (the widest, an MLP's
+    hidden width, first in a transformer block): that is the block's peak, and checkpointing
+    alone holds every lower block's input through it. Reloading the input of the block below as
+    the recompute begins (the engine's schedule before) held it through that peak too. The
+    reload now starts once the parameters holding half the module's parameter bytes have their
+    gradient in this backward (`post_accumulate_grad` hooks): each gradient arrives as the op
+    that used its weight is done, so by then the ops holding half the weights have run and freed
+    their saved activations; in a transformer block that is its MLP (fc2 and fc1 are two thirds
+    of its weights), past the widest ones. On a CPU blocks stack (d_model 128, ffn 512, float32,
+    counted by the planner's LiveBytes), in block inputs above the step's start: the recompute
+    ends at 24, fc2's backward peaks at 28.3, GELU's backward (just
+    after fc2's gradient, the first signal one could take) at 28.05, which a reload there would
+    push to 29.05; after fc1's gradient the block never exceeds 20.3. The copy is then hidden
+    by the rest of the block's backward (attention, in a transformer block). A module whose
+    signal leaves less than a quarter of its parameter bytes to come (one Linear: its weight is
+    all of them) has nothing left to hide the copy behind: waiting only exposes it, so its
+    later backwards reload at once (`missed`), as before. The input's unpack always waits for
+    its reload, so a signal that comes late (or never) costs time, never correctness: if a
+    lower group is needed first, its reload starts then, and this module's later backwards
+    reload at once (`missed`), as a module without parameters of its own that require grad
+    always does. Made by `OffloadEngine.mark_group(recomputed=module)` at the
+    module's first call; its hooks come off with `OffloadEngine.close`.
+    """
+
+    def __init__(self, engine: OffloadEngine, module: nn.Module) -> None:
+        self._engine = weakref.ref(engine)
+        self._module = weakref.ref(module)
+        # Plain parameters only: a tensor subclass (FSDP2's DTensor) gets its gradient from its
+        # owner's reduction, not from autograd's accumulation, and would never signal.
+        params = [p for p in module.parameters() if type(p) is nn.Parameter and p.requires_grad]
+        self._params = [weakref.ref(p) for p in params]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._arrived) for p in params]
+        self.waiting: _Group | None = None  # the group whose reload below waits, in this backward
+        self.arrived = 0  # parameter bytes whose gradient came since it began to wait
+        self.total = 0  # the module's parameter bytes that require grad now
+        self.need = 0  # half of them
+        self.missed = False  # the signal once came too late to help: the reload no longer waits
+
+    def arm(self, group: _Group) -> bool:
+        """`group`'s recompute begins: count from now. False when there is nothing to wait for
+        (no parameter of its own requires grad now, the module replaced them, or it missed)."""
+        module = self._module()
+        if self.missed or module is None:
+            return False
+        current = {id(p) for p in module.parameters()}
+        total = sum(p.numel() * p.element_size() for ref in self._params
+                    if (p := ref()) is not None and id(p) in current and p.requires_grad)
+        if total == 0:
+            return False
+        self.total, self.need, self.arrived, self.waiting = total, (total + 1) // 2, 0, group
+        return True
+
+    @torch.compiler.disable
+    def _arrived(self, param: torch.Tensor) -> None:
+        group = self.waiting
+        if group is None:
+            return
+        self.arrived += param.numel() * param.element_size()
+        if self.arrived >= self.need:
+            engine = self._engine()
+            if engine is None:
+                self.waiting = None
+            else:
+                # Under a quarter still to come: the module's backward is all but done.
+                engine._past_peak(group, missed=4 * (self.total - self.arrived) < self.total)
+
+    def remove(self) -> None:
+        """Take the hooks off the module's parameters."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self.waiting = None
+
+
 def stays(tensor: torch.Tensor, device: torch.device, buffers: set[int],
           inputs: set[int] | frozenset[int] = frozenset()) -> str | None:
     """Why a saved tensor of offloadable size stays where it is, or None if it moves
@@ -472,6 +566,11 @@ class OffloadEngine:
         self._pending: _Chunk | None = None  # an eager group's newest storage, not yet sent
         self._largest_sent = 0  # the largest storage copied to the host in this step
         self._chunks: dict[int, _Chunk] = {}
+        # Checkpointed groups in backward whose reload of the group below waits for their
+        # module's gradients (`GradProgress`); settled when the signal comes or a lower group
+        # is needed first.
+        self._deferred: list[_Group] = []
+        self._progress: weakref.WeakKeyDictionary[nn.Module, GradProgress] = weakref.WeakKeyDictionary()
         self._closed = False
         self._warned_no_effect = False
         # Unpin the pool even if close() is never called: freed memory must not stay registered.
@@ -518,15 +617,23 @@ class OffloadEngine:
         self._begin_step(inputs)
 
     @torch.compiler.disable
-    def mark_group(self, offload: bool = True) -> None:
+    def mark_group(self, offload: bool = True, *, recomputed: nn.Module | None = None) -> None:
         """A block boundary: start offloading the group saved so far (if it is marked for
         offload and not among the last `keep_last`), open a new one. `offload=False`: the new
-        group's tensors stay on the device (counted in `kept_by_rule_bytes`). Returns None, so it
-        can serve as a forward pre-hook as it is (a pre-hook's return value replaces the input);
-        `open_group_index` is the index of the group it opened."""
+        group's tensors stay on the device (counted in `kept_by_rule_bytes`). `recomputed`: the
+        checkpointed module being entered, whose inputs the new group holds: its backward begins
+        by recomputing it, and the group below is reloaded only once that backward is past the
+        recompute's peak (`GradProgress`, hooked on the module's parameters until `close`).
+        Returns None, so it can serve as a forward pre-hook as it is (a pre-hook's return value
+        replaces the input); `open_group_index` is the index of the group it opened."""
         if self._step is None or self._owner != threading.get_ident():
             return
         self._open_group(offload, gap=False)
+        if recomputed is not None:
+            progress = self._progress.get(recomputed)
+            if progress is None:  # the module's first call (a copy of the model has its own)
+                progress = self._progress[recomputed] = GradProgress(self, recomputed)
+            self._open.progress = progress
 
     @property
     def open_group_index(self) -> int | None:
@@ -575,8 +682,14 @@ class OffloadEngine:
         self._launch(group, [c for c in group.live() if c.gpu is not None and c.host is None])
 
     def _begin_step(self, inputs: Any = None) -> None:
-        # Whatever an earlier step left in flight (a forward that raised, say) is settled first.
+        # Whatever an earlier step left in flight (a forward that raised, say) is settled first;
+        # a backward that stopped early reloads nothing more.
         self._retire(keep=0)
+        for group in self._deferred:
+            group.deferred_seq = None
+            if group.progress is not None and group.progress.waiting is group:
+                group.progress.waiting = None
+        self._deferred = []
         self._buffers = set()
         self._inputs = {t.untyped_storage().data_ptr() for t in tree_flatten(inputs)[0]
                         if type(t) is torch.Tensor and t.device == self.device}
@@ -782,12 +895,16 @@ class OffloadEngine:
     def _unpack(self, packed: _Saved | _Kept) -> torch.Tensor:
         if isinstance(packed, _Kept):
             if packed.group is not None:
+                if self._deferred:
+                    self._settle_deferred(packed.group)
                 self._prefetch(packed.group, packed.seq)
             if packed.version is not None and packed.tensor._version != packed.version:
                 raise _modified_error(packed.tensor.size(), packed.tensor.dtype)
             return packed.tensor
         saved = packed
         chunk = saved.chunk
+        if self._deferred:
+            self._settle_deferred(chunk.group)
         chunk.use()  # before the prefetch: it no longer takes room in the window
         self._prefetch(chunk.group, chunk.seq)
         saved.check_version()
@@ -810,11 +927,21 @@ class OffloadEngine:
         step's window (`prefetch` times the largest group). Only storages of the `prefetch`
         groups just below `group` qualify; the gaps `end_group` opens between groups are
         passed over, not counted, so a reload starts at most one block ahead (never earlier,
-        which would hold its memory through the blocks between)."""
+        which would hold its memory through the blocks between). A checkpointed group's
+        reload of the groups below waits until its module's backward is past the recompute's
+        peak (`GradProgress`); until then only its own storages come back."""
         step = group.step
         if self.prefetch <= 0:
             return
+        recompute_begins = group.progress is not None and not group.recompute_seen
+        if recompute_begins:
+            group.recompute_seen = True
+            if self._defer_below(group):
+                group.deferred_seq = seq
         lowest, wanted = group.index, self.prefetch
+        if group.deferred_seq is not None:
+            group.deferred_seq = seq
+            wanted = 0  # the groups below wait for the module's gradients
         for i in range(group.index - 1, -1, -1):
             if wanted <= 0:
                 break
@@ -837,6 +964,59 @@ class OffloadEngine:
         step.cursor = cursor
         if targets:
             self._reload(targets)
+        if recompute_begins:
+            self._stats.recompute_began()
+
+    def _defer_below(self, group: _Group) -> bool:
+        """Whether the reload of the groups below `group` waits for its module's gradients: only
+        where the tensor is unpacked to recompute the module op by op, so that its parameters'
+        gradients arrive during its backward, as its recompute's activations are freed (torch's
+        non-reentrant checkpoint: a built-in node of the module's backward is running; reentrant:
+        torch's CheckpointFunction, which runs the module's backward inside its own). A compiled
+        region's backward (or another custom Function) gives its gradients only when it is
+        done: waiting for them would leave the copy uncovered, so the reload starts now."""
+        node = _current_autograd_node()
+        forward = getattr(type(node), "_forward_cls", None)
+        if node is None or (forward is not None and forward is not CheckpointFunction):
+            return False
+        progress = group.progress
+        if progress is None:
+            return False
+        if progress.waiting is not None:  # the module's earlier call, whose signal never came
+            self._past_peak(progress.waiting)
+        if not progress.arm(group):
+            return False
+        self._deferred.append(group)
+        return True
+
+    def _past_peak(self, group: _Group, missed: bool = False) -> None:
+        """`group`'s module is past its recompute's peak (`missed`: a group below is needed
+        before the signal came, or it came with the module's backward all but done): start the
+        reloads below it that waited."""
+        seq, group.deferred_seq = group.deferred_seq, None
+        if group in self._deferred:
+            self._deferred.remove(group)
+        progress = group.progress
+        if progress is not None and progress.waiting is group:
+            progress.waiting = None
+        if seq is None:
+            return
+        if missed:
+            # The module's gradients come after the group below is needed (shared or replaced
+            # parameters, torch.autograd.grad), or only as its backward ends (one Linear):
+            # waiting hides nothing, so its later backwards reload at once, as before.
+            if progress is not None:
+                progress.missed = True
+            self._stats.missed_deferrals += 1
+        else:
+            self._stats.deferred_reloads += 1
+        self._prefetch(group, seq)
+
+    def _settle_deferred(self, group: _Group) -> None:
+        """A tensor of `group` is needed: a group above it still waiting for its module's
+        gradients waited too long; its reloads start now (the unpack waits for them)."""
+        for waiting in [g for g in self._deferred if g.step is not group.step or g.index > group.index]:
+            self._past_peak(waiting, missed=True)
 
     def _reload(self, targets: list[_Chunk]) -> None:
         """Copy storages back to the device on the reload stream."""
@@ -888,6 +1068,9 @@ class OffloadEngine:
             return
         self._closed = True
         self._inflight.clear()
+        for progress in list(self._progress.values()):
+            progress.remove()  # no hook of the engine's outlives it on the modules' parameters
+        self._progress.clear()
         self._unpin_at_exit()
 
 
@@ -914,6 +1097,10 @@ class _StepScope:
         self.hooks.__exit__(kind, value, tb)
         self.engine._end_step(judge=kind is None)
 
+
+# The autograd node backward is running (None outside backward, or in a torch without it: then
+# no reload waits for a signal, and the schedule is the one before GradProgress).
+_current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 
 # The copy windows, per `max_inflight` (forward) and per `prefetch` (backward), in the largest
 # storage moved in a step. On the H200 blocks stack with everything offloaded (8 blocks, 16

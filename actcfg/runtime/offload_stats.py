@@ -74,6 +74,16 @@ class OffloadStats:
     """Bytes copied back to the GPU in the last backward."""
     late_reloads: int = 0
     """Storages in the last backward whose reload was not prefetched (started only when needed)."""
+    deferred_reloads: int = 0
+    """Checkpointed groups in the last backward whose reload of the groups below waited until
+    their module's backward was past its recompute's peak (half its parameters' gradients in),
+    instead of starting as the recompute began."""
+    missed_deferrals: int = 0
+    """Checkpointed groups in the last backward whose module's gradients came too late to help:
+    after the group below was needed (shared or replaced parameters, torch.autograd.grad), or
+    only as the module's backward ended (less than a quarter of its parameter bytes still to
+    come, as in a lone Linear). The module's later backwards reload at once, as without the
+    signal."""
     kept_views: int = 0
     """Saved views of a storage over 4x their size, left on the GPU in the last step."""
     copy_waits: int = 0
@@ -94,6 +104,11 @@ class OffloadStats:
     most_backward_device_bytes: int = 0
     """High-water mark of `device_bytes` from the last step's turn on: what backward held at
     once (for checkpointed blocks, their inputs: the group in use and the one being prefetched)."""
+    most_recompute_device_bytes: int = 0
+    """High-water mark of `device_bytes` as the last backward's checkpointed groups began their
+    recompute, after the reloads each started then: what the engine held through a recompute's
+    peak (for checkpointed blocks, the input being recomputed and the groups kept at the turn
+    above it; the block below comes back past the peak)."""
 
     def as_dict(self) -> dict[str, Any]:
         """The counters as JSON-able data."""
@@ -111,6 +126,7 @@ class OffloadStats:
         self.steps += 1
         self.offloaded_bytes = self.offloaded_tensors = self.kept_bytes = self.kept_by_rule_bytes = 0
         self.reloaded_bytes = self.late_reloads = self.kept_views = self.copy_waits = 0
+        self.deferred_reloads = self.missed_deferrals = self.most_recompute_device_bytes = 0
         self.most_inflight = self.packed_tensors = self.packed_bytes = self.groups = 0
         self.kept_bytes_by_reason = {}
         self.group_offloaded_bytes, self.group_kept_bytes = [], []
@@ -151,6 +167,10 @@ class OffloadStats:
             self.most_backward_device_bytes = max(self.most_backward_device_bytes, self.device_bytes)
         else:
             self.most_forward_device_bytes = max(self.most_forward_device_bytes, self.device_bytes)
+
+    def recompute_began(self) -> None:
+        """A checkpointed group's recompute begins, its reloads started."""
+        self.most_recompute_device_bytes = max(self.most_recompute_device_bytes, self.device_bytes)
 
     def release(self, nbytes: int) -> None:
         """The engine gave `nbytes` of device memory back."""

@@ -194,7 +194,8 @@ def _apply_rules(model: nn.Module, policy: Policy, plan: RulesPlan, offload: Off
         for i, r in enumerate(rules)))
     if offload is not None:
         _apply_offload(model, offload, [(n, m) for n, m, _ in selected], handle, device,
-                       offloads=[rules[i].offload for _, _, i in selected])
+                       offloads=[rules[i].offload for _, _, i in selected],
+                       recomputed=[rules[i].checkpoint != "none" for _, _, i in selected])
 
 
 def _resolve(dotted: str) -> Any:
@@ -268,14 +269,15 @@ class _OffloadScope(NotPicklable):
             self.engine.end_group()  # what runs before the first group stays on the device
 
     @torch.compiler.disable
-    def mark(self, module: nn.Module, args: tuple[Any, ...], name: str = "", offload: bool = True) -> None:
+    def mark(self, module: nn.Module, args: tuple[Any, ...], name: str = "", offload: bool = True,
+             recomputed: bool = False) -> None:
         if not self.engine.in_step() and self._training(module):
             self._close_group_step()
             step = self.engine.step()
             step.__enter__()
             self.opened_at_group = step
             self._begin()
-        self.engine.mark_group(offload)
+        self.engine.mark_group(offload, recomputed=module if recomputed else None)
         index = self.engine.open_group_index
         if index is not None:
             self.group_names[index] = name
@@ -319,7 +321,8 @@ def block_groups(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], str]:
 
 
 def _apply_offload(model: nn.Module, plan: OffloadPlan, selected: list[tuple[str, nn.Module]],
-                   handle: AppliedPolicy, device: torch.device, offloads: list[bool] | None = None) -> None:
+                   handle: AppliedPolicy, device: torch.device, offloads: list[bool] | None = None,
+                   recomputed: list[bool] | None = None) -> None:
     if plan.scope == "rules":
         groups, grouping = selected, (
             "the modules the rules take (moved where their rule offloads; the others, and what "
@@ -353,8 +356,11 @@ def _apply_offload(model: nn.Module, plan: OffloadPlan, selected: list[tuple[str
         if module is enclosing:  # the only group (nested ones are refused): the step marks it
             scope.own_group = (name, True if offloads is None else offloads[k])
             continue
+        # A checkpointed module's backward begins with its recompute: the engine reloads the
+        # group below once that backward is past the recompute's peak.
+        checkpointed = plan.scope == "checkpoint_inputs" if recomputed is None else recomputed[k]
         mark = functools.partial(scope.mark, name=name,
-                                 offload=True if offloads is None else offloads[k])
+                                 offload=True if offloads is None else offloads[k], recomputed=checkpointed)
         # prepend: the boundary is marked before any other pre-hook of the block saves tensors.
         handle.undo.push(module.register_forward_pre_hook(mark, prepend=True).remove)
         if rules:

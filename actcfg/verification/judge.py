@@ -73,7 +73,13 @@ def _judge_offload(m: Measurements) -> Verdict:
 def _judge_held(m: Measurements) -> Verdict | None:
     """Checkpointed blocks whose inputs are offloaded: backward may hold the group in use and
     the one being prefetched, and at the turn the last `keep_last` groups (the group still open
-    at the end of forward, the last block's input, stays whatever keep_last says)."""
+    at the end of forward, the last block's input, stays whatever keep_last says).
+
+    Through a recompute's peak the engine holds one group fewer: the block below comes back
+    once the block's backward is past that peak (its gradients say so). That count is reported,
+    not judged: where the gradients cannot say it in time (a compiled block, frozen weights,
+    torch.autograd.grad) the engine reloads at the recompute's start, by design, and holds the
+    one more that the backward allowance already covers."""
     if m.backward_held_bytes is None or m.keep_last is None:
         return None
     one = m.block_input_bytes
@@ -81,9 +87,12 @@ def _judge_held(m: Measurements) -> Verdict | None:
     held = m.backward_held_bytes / one
     forward = "" if m.forward_held_bytes is None else (
         f"; forward held {m.forward_held_bytes / one:.1f} at most")
+    recompute = "" if m.recompute_held_bytes is None else (
+        f"; through a recompute {m.recompute_held_bytes / one:.1f}, against {allowed - 1} where "
+        "the block below waits for the block's gradients")
     text = (f"backward held {held:.1f} block inputs on the GPU at most, against the "
             f"{allowed} the schedule allows (keep_last {m.keep_last}: the block in use and the "
-            f"one being prefetched){forward}")
+            f"one being prefetched){forward}{recompute}")
     if held > allowed + FLAT_FRACTION:
         return Verdict("held inputs", False, f"cpu_checkpointing is on but {text}: groups are "
                                              "released late")

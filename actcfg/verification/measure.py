@@ -279,14 +279,16 @@ def _host_bytes(handle: Any, pool_before: int | None) -> tuple[int | None, int |
 
 
 def _held(handle: Any) -> dict[str, int | None]:
-    """The offload engine's own count of device bytes it held at once, forward and backward,
-    in the last step, and its keep_last (all None without actcfg's engine)."""
+    """The offload engine's own count of device bytes it held at once, forward, backward and
+    through a recompute, in the last step, and its keep_last (all None without actcfg's engine)."""
     engine = getattr(handle, "engine", None)
     if engine is None:
-        return {"forward_held_bytes": None, "backward_held_bytes": None, "keep_last": None}
+        return {"forward_held_bytes": None, "backward_held_bytes": None,
+                "recompute_held_bytes": None, "keep_last": None}
     st = engine.stats
     return {"forward_held_bytes": int(st.most_forward_device_bytes),
             "backward_held_bytes": int(st.most_backward_device_bytes),
+            "recompute_held_bytes": int(st.most_recompute_device_bytes),
             "keep_last": int(engine.keep_last)}
 
 

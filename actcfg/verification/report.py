@@ -94,6 +94,10 @@ class Measurements:
     actcfg's engine did not run)."""
     forward_held_bytes: int | None = None
     """The same in the last forward (the open group and the copies in flight)."""
+    recompute_held_bytes: int | None = None
+    """The same as the last backward's checkpointed modules began their recompute, after the
+    reloads each started then (`OffloadStats.most_recompute_device_bytes`): what the engine held
+    through a recompute's peak (None: actcfg's engine did not run)."""
     keep_last: int | None = None
     """The engine's `keep_last` (None: actcfg's engine did not run)."""
     compile_ms: float | None = None

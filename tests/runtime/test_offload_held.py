@@ -1,16 +1,20 @@
 """The engine's memory discipline, counted: what it holds on the device at once (its own count,
 `OffloadStats.device_bytes` and the forward/backward high-water marks) against what the schedule
 allows, on the CPU through the host loopback (every decision is the engine's own; a loopback copy
-is done when launched, so a group is given back at the next pack or boundary); and the verify
-verdict that fails a checkpoint + cpu_checkpointing policy holding more block inputs in
-backward than `keep_last + 1`."""
+is done when launched, so a group is given back at the next pack or boundary); what it holds
+through each checkpointed block's recompute (issue 17's n - 2: the block below comes back past
+the recompute's peak, on the block's gradient signal) and where that signal is not waited for;
+and the verify verdict that fails a checkpoint + cpu_checkpointing policy holding more block
+inputs in backward than `keep_last + 1`."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import pytest
 import torch
+from torch import nn
 
 from actcfg.runtime import offload
 from actcfg.runtime.offload import OffloadEngine, host_loopback
@@ -18,6 +22,7 @@ from actcfg.api import apply
 from actcfg.policy.schema import Policy
 from actcfg.verification import GradDiff, Measurements, RunMeasurement, judge
 from actcfg.verification.models import blocks
+from _helpers import Layer
 
 N = 8
 
@@ -52,6 +57,199 @@ def test_checkpoint_and_cpu_offload_hold_one_input_forward_and_two_backward():
     assert st.most_forward_device_bytes == one
     assert st.most_backward_device_bytes == 2 * one
     assert st.device_bytes == 0
+
+
+FULL_CPU = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]}, "cpu_checkpointing": True}
+
+
+def _held_at_recompute_peaks(model, x, cfg, steps=2):
+    """The bytes the engine holds on the device at each block's recompute peak, read in the last
+    step (gradients kept across steps, as DDP/FSDP/DeepSpeed buckets keep them): a pre-hook on
+    the block's `fc2`, which runs in the recompute once the MLP's wide activations (fc1's output
+    and GELU's) exist, the most the recompute holds; also the gradients and the engine's stats."""
+    in_backward = [False]
+    held: dict[int, list[int]] = {}
+    with host_loopback(), apply(model, cfg) as handle:
+        engine = handle.engine
+
+        def reading(k):
+            def hook(module, args):
+                if in_backward[0]:  # the recompute, not the forward
+                    held.setdefault(k, []).append(engine.stats.device_bytes)
+            return hook
+
+        hooks = [b.fc2.register_forward_pre_hook(reading(k)) for k, b in enumerate(model.blocks)]
+        try:
+            for _ in range(steps):
+                model.zero_grad(set_to_none=False)
+                held.clear()
+                loss = model(x).square().mean()
+                in_backward[0] = True
+                loss.backward()
+                in_backward[0] = False
+        finally:
+            for h in hooks:
+                h.remove()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        return held, grads, engine.stats
+
+
+def _checkpoint_only_grads(steps=2):
+    model, x = _stack()
+    with apply(model, {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]}}):
+        for _ in range(steps):
+            model.zero_grad(set_to_none=False)
+            model(x).square().mean().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_through_each_recompute_the_engine_holds_only_the_block_being_recomputed(reentrant):
+    """Checkpoint + cpu_checkpointing, issue 17's n - 2: checkpointing alone holds the inputs of
+    every block below at the first block's recompute peak; the engine must hold the input of the
+    block being recomputed there and nothing more. The input of the block below is reloaded
+    only once the block's backward is past that peak (half its weight gradients in), still
+    under the rest of its backward; before, it was reloaded as the recompute began and held
+    through its peak (2 block inputs at every recompute but the lowest). Gradients are
+    bitwise those of checkpointing alone, and every reload was started ahead of its use."""
+    model, x = _stack()
+    one = x.numel() * x.element_size()
+    cfg = {**FULL_CPU, "checkpoint": {**FULL_CPU["checkpoint"], "reentrant": reentrant}}
+    held, grads, st = _held_at_recompute_peaks(model, x, cfg)
+    # block 0's input is the caller's batch (it stays, not the engine's); each other block's
+    # input is the engine's, and the only one it holds there
+    assert held == {k: [one if k else 0] for k in range(N)}
+    assert st.most_backward_device_bytes == 2 * one  # after the peak: the block's own and the one below
+    assert st.most_recompute_device_bytes == one
+    assert (st.deferred_reloads, st.missed_deferrals, st.late_reloads) == (N, 0, 0)
+    assert st.reloaded_bytes == st.offloaded_bytes == (N - 2) * one
+    want = _checkpoint_only_grads()
+    assert grads.keys() == want.keys()
+    for name in want:
+        assert torch.equal(grads[name], want[name]), name
+
+
+def test_keep_last_0_brings_the_last_input_back_only_when_its_recompute_needs_it():
+    """`keep_last: 0` (rules): the last block's input leaves the device too, and comes back as
+    its recompute begins (the one reload not prefetched: nothing runs before it in backward to
+    hide it); the reload below it still waits for the block's gradients, so every recompute
+    holds its own input alone, as with keep_last 1."""
+    model, x = _stack()
+    one = x.numel() * x.element_size()
+    cfg = {"version": 1, "checkpoint": {"mode": "rules", "keep_last": 0, "rules": [
+        {"modules": ["Block"], "mode": "full", "cpu_checkpointing": True}]}}
+    held, grads, st = _held_at_recompute_peaks(model, x, cfg)
+    assert held == {k: [one if k else 0] for k in range(N)}
+    assert st.kept_bytes == 0 and st.offloaded_bytes == st.reloaded_bytes == (N - 1) * one
+    assert (st.late_reloads, st.deferred_reloads, st.missed_deferrals) == (1, N, 0)
+    want = _checkpoint_only_grads()
+    for name in want:
+        assert torch.equal(grads[name], want[name]), name
+
+
+def test_a_copy_of_the_model_waits_for_its_own_gradients_and_remove_takes_every_hook_off():
+    """A deep copy offloads through the same engine (`_OffloadScope` is shared): its blocks get
+    their own gradient hooks at their first call, so its waits end on its own gradients, not
+    the original's; `remove()` takes every hook the engine put on either model's parameters."""
+    model, x = _stack()
+    with host_loopback():
+        handle = apply(model, FULL_CPU)
+        twin = copy.deepcopy(model)
+        for m in (model, twin, model):
+            for _ in range(2):
+                m.zero_grad(set_to_none=False)
+                m(x).square().mean().backward()
+            st = handle.engine.stats
+            assert (st.deferred_reloads, st.missed_deferrals, st.late_reloads) == (N, 0, 0)
+        assert all(p._post_accumulate_grad_hooks for m in (model, twin) for p in m.parameters())
+        handle.remove()
+    assert not any(p._post_accumulate_grad_hooks for m in (model, twin) for p in m.parameters())
+
+
+def test_a_block_whose_gradients_come_only_at_its_end_stops_waiting_for_them():
+    """A checkpointed Linear + GELU: its weight is nearly all its parameter bytes, so the signal
+    comes as its backward ends, with nothing left to hide the reload behind (on a GPU it would
+    be exposed in every layer). After one such backward the engine reloads the layer below as
+    the recompute begins, as before: counted as missed once, then not waited for."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Layer(512) for _ in range(4)))
+    x = torch.randn(512, 512, requires_grad=True)  # one layer input: 1 MiB
+    one = x.numel() * x.element_size()
+    cfg = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Layer"]}, "cpu_checkpointing": True}
+    counts = []
+    with host_loopback(), apply(model, cfg) as handle:
+        for _ in range(3):
+            model(x).square().mean().backward()
+            st = handle.engine.stats
+            counts.append((st.deferred_reloads, st.missed_deferrals, st.late_reloads))
+        recompute_held = handle.engine.stats.most_recompute_device_bytes
+    assert counts == [(0, 4, 0), (0, 0, 0), (0, 0, 0)]
+    assert recompute_held == 2 * one  # the layer in use and the one below, as before the signal
+
+
+def test_blocks_with_no_gradients_of_their_own_reload_the_block_below_as_their_recompute_begins():
+    """The signal is the block's own parameters' gradients: with every parameter frozen after
+    `apply` (the input still needs its gradient, so the blocks are recomputed), none comes, and
+    the engine reloads the block below at the recompute's start, as before the signal: nothing
+    waits for a gradient that cannot come, and every reload is still ahead of its use."""
+    model, x = _stack()
+    one = x.numel() * x.element_size()
+    with host_loopback(), apply(model, FULL_CPU) as handle:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for _ in range(2):
+            model(x).square().mean().backward()
+        st = handle.engine.stats
+    assert (st.deferred_reloads, st.missed_deferrals, st.late_reloads) == (0, 0, 0)
+    assert st.most_recompute_device_bytes == 2 * one
+
+
+def test_gradients_that_never_accumulate_settle_the_wait_when_the_block_below_is_needed():
+    """torch.autograd.grad accumulates no gradient, so the signal never comes: when the block
+    below is needed its reload starts (the unpack waits for it: the gradients are right), and
+    from then on that block's reload below starts with its recompute, as without the signal."""
+    model, x = _stack()
+    one = x.numel() * x.element_size()
+    params = list(model.parameters())
+    got = []
+    with host_loopback(), apply(model, FULL_CPU) as handle:
+        misses = []
+        for _ in range(2):
+            got = torch.autograd.grad(model(x).square().mean(), params)
+            st = handle.engine.stats
+            misses.append((st.missed_deferrals, st.deferred_reloads, st.late_reloads))
+        recompute_held = handle.engine.stats.most_recompute_device_bytes
+    # the first backward: every block's wait but the lowest's is settled by the block below
+    assert misses == [(N - 1, 0, 0), (0, 0, 0)]
+    assert recompute_held == 2 * one
+    plain, _ = _stack()
+    with apply(plain, {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]}}):
+        want = torch.autograd.grad(plain(x).square().mean(), list(plain.parameters()))
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.slow
+def test_a_compiled_block_reloads_the_block_below_as_its_backward_begins():
+    """A compiled block's backward is one autograd node that gives its gradients only when it
+    is done: waiting for them would leave the copy uncovered, so the engine does not wait (it
+    sees the compiled node, not one of the block's own ops, unpacking the input)."""
+    torch._dynamo.reset()
+    model, x = _stack()
+    want = _checkpoint_only_grads()
+    cfg = {"version": 1, "checkpoint": {"mode": "rules", "rules": [
+        {"modules": ["Block"], "mode": "full", "cpu_checkpointing": True}]},
+        "compile": {"scope": "blocks", "backend": "aot_eager"}}
+    with host_loopback(), apply(model, cfg) as handle:
+        for _ in range(2):
+            model.zero_grad(set_to_none=False)
+            model(x).square().mean().backward()
+        st = handle.engine.stats
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    torch._dynamo.reset()
+    assert st.offloaded_bytes > 0
+    assert (st.deferred_reloads, st.missed_deferrals, st.late_reloads) == (0, 0, 0)
+    for name in want:
+        torch.testing.assert_close(grads[name], want[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_the_callers_batch_stays_where_it_is():
@@ -154,7 +352,7 @@ def _measured(**kw) -> Measurements:
         plain=RunMeasurement(tuple(B * (i + 1) for i in range(8)), 12 * B, 0.1),
         policy=RunMeasurement(FLAT, 4 * B, 0.1),
         grads=(GradDiff("w", 0.0),), dtype="bfloat16", offloaded_bytes=6 * B,
-        forward_held_bytes=2 * B, backward_held_bytes=2 * B, keep_last=1, **kw)
+        forward_held_bytes=2 * B, backward_held_bytes=2 * B, recompute_held_bytes=B, keep_last=1, **kw)
 
 
 def _held(m: Measurements):
@@ -168,6 +366,9 @@ def test_verify_passes_two_inputs_held_in_backward_and_says_what_the_schedule_al
     assert v.message.startswith("backward held 2.0 block inputs on the GPU at most, against the 2 "
                                 "the schedule allows (keep_last 1")
     assert "forward held 2.0 at most" in v.message
+    # through a recompute the block below is not back yet: reported beside the backward count
+    assert v.message.endswith("; through a recompute 1.0, against 1 where the block below waits "
+                              "for the block's gradients")
 
 
 @pytest.mark.parametrize(("keep_last", "held", "ok"), [(1, 3, False), (2, 3, True), (0, 2, True), (2, 4, False)])
