@@ -108,7 +108,8 @@ def reduce_profiles(profiles: Sequence[Profile]) -> Profile:
             min(m.backward_ms for m in mine),
             {c: _worst_option([m.options[c] for m in mine]) for c in common},
             mine[0].parts,
-            # the engine's schedule, as every rank ran it (a rank where it fell back: the old one)
+            # where every rank's engine waited: a rank that fell back had the reload taken off
+            # its options, which the reload term counts back (a rank that waited: high, not low)
             all(m.reload_waits for m in mine),
         ))
     measured = {
