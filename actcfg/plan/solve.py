@@ -638,7 +638,7 @@ def _said(blocks: tuple[str, ...], choices: tuple[str, ...]) -> str:
 
 def solve(profile: Profile, budget: int, *, max_inflight: tuple[int, ...] = (1, 2)) -> Plan:
     """The fastest plan whose predicted peak fits `budget` (bytes); PlanError, with the smallest
-    peak any choice reaches, when none does. `max_inflight` 2 is tried only where a block can
+    budget it accepts (`smallest_peak`), when none does. `max_inflight` 2 is tried only where a block can
     offload; the faster wins, 1 on a tie (it holds less)."""
     started = time.perf_counter()
     choices = profile.choices()
