@@ -12,6 +12,7 @@ from typing import Any
 
 from actcfg.errors import PlanError
 from actcfg.plan.model import CHOICE_OF, COUNTERPART, OFFLOADS, Profile
+from actcfg.plan.solve import smallest_budget
 from actcfg.runtime.reports import PlanReport, memory_size
 
 __all__ = ["MAX_FRONT", "Plan", "lowest_plan", "predict", "smallest_peak", "solve", "uniform_copies"]
@@ -475,7 +476,9 @@ def solve(profile: Profile, budget: int, *, max_inflight: tuple[int, ...] = (1, 
             if peak <= budget and (found is None or (step, moved, m) < found[:3]):
                 found = (step, moved, m, uniform)
     if found is None:
-        lowest, reached = min((lowest_plan(profile, m) for m in tries), key=lambda e: e[0])
+        # the refusal's figure as the solver states it now (not part of the bounds): the smallest
+        # budget it accepts, a mix's headroom included
+        lowest, reached = min((smallest_budget(profile, m) for m in tries), key=lambda e: e[0])
         names = tuple(b.name for b in profile.blocks)
         finer = "" if "split" in choices else " or their parts, `checkpoint.submodules`"
         raise PlanError(

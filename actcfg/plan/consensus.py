@@ -108,6 +108,9 @@ def reduce_profiles(profiles: Sequence[Profile]) -> Profile:
             min(m.backward_ms for m in mine),
             {c: _worst_option([m.options[c] for m in mine]) for c in common},
             mine[0].parts,
+            # where every rank's engine waited: a rank that fell back had the reload taken off
+            # its options, which the reload term counts back (a rank that waited: high, not low)
+            all(m.reload_waits for m in mine),
         ))
     measured = {
         c: {k: max(p.measured[c][k] for p in profiles) for k in first.measured[c]}

@@ -7,7 +7,7 @@ before it hold (and, in forward, what they left until the turn), and the recompu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from actcfg.plan.model import CHOICE_OF, CHOICE_TABLE, CHOICES, COUNTERPART, OFFLOADS, BlockProfile, Option, Profile
 from actcfg.plan.probe import StepReading
@@ -26,6 +26,9 @@ class Run:
 
     step: StepReading
     moved: list[int]
+    reload_waits: list[bool] = field(default_factory=list)
+    """Per block, whether the engine reloaded the block below only past this block's recompute
+    peak in the run's last step (`OffloadStats.deferred_groups`); empty: none did."""
 
 
 def _memory_notes(runs: dict[str, Run], cuda: bool) -> list[str]:
@@ -51,6 +54,10 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
     n = len(names)
     parts = parts or [()] * n
     cuda = device == "cuda"
+    # Whether the engine waits past each block's recompute peak to reload the block below: as
+    # the uniform full_offload run did it (the one run that recomputes over offloaded blocks).
+    waits = list(runs["full_offload"].reload_waits) if "full_offload" in runs else []
+    waits = waits + [False] * (n - len(waits))
     estimated_keep = "keep" not in runs
     ref = runs["keep"] if not estimated_keep else runs["full"]
     forward_ms = list(ref.step.forward_ms)
@@ -84,7 +91,8 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
     # What the model adds above the blocks' held bytes for each uniform run (copies in flight,
     # reloads), from solve's own terms: measured minus these is what each option records.
     copies_only = Profile(
-        blocks=tuple(BlockProfile(name, f, 0.0, {c: Option(held=0, moved=moved[c][b]) for c in CHOICES})
+        blocks=tuple(BlockProfile(name, f, 0.0, {c: Option(held=0, moved=moved[c][b]) for c in CHOICES},
+                                  reload_waits=waits[b])
                      for b, (name, f) in enumerate(zip(names, forward_ms))),
         plain_step_ms=0.0, plain_peak=0, turn_peak=0, forward_after_ms=0.0, backward_before_ms=0.0,
         d2h_gbps=d2h, h2d_gbps=h2d, largest_storage=largest_storage,
@@ -138,8 +146,8 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
     plain_ms = ref.step.step_ms if not estimated_keep else ref.step.step_ms - sum(
         o["full"].recompute_ms for o in options)
     base = Profile(
-        blocks=tuple(BlockProfile(name, f, g, opts, ps)
-                     for name, f, g, opts, ps in zip(names, forward_ms, backward_ms, options, parts)),
+        blocks=tuple(BlockProfile(name, f, g, opts, ps, w)
+                     for name, f, g, opts, ps, w in zip(names, forward_ms, backward_ms, options, parts, waits)),
         plain_step_ms=plain_ms,
         plain_peak=0,
         turn_peak=max(0, max(turn_peaks)),
@@ -176,8 +184,8 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
                 options[b][c] = Option(o.held, o.moved, o.forward_peak, o.backward_peak, o.recompute_ms, floor,
                                        o.left)
     out = Profile(
-        blocks=tuple(BlockProfile(name, f, g, opts, ps)
-                     for name, f, g, opts, ps in zip(names, forward_ms, backward_ms, options, parts)),
+        blocks=tuple(BlockProfile(name, f, g, opts, ps, w)
+                     for name, f, g, opts, ps, w in zip(names, forward_ms, backward_ms, options, parts, waits)),
         plain_step_ms=base.plain_step_ms, plain_peak=0, turn_peak=base.turn_peak,
         turn_peaks=base.turn_peaks, after_turn_peak=base.after_turn_peak,
         after_turn_peaks=base.after_turn_peaks,

@@ -85,7 +85,8 @@ class Option:
     The memory model (see `actcfg.plan.solve`): with S the bytes the blocks before this one hold
     and L what their forwards left until the turn, its forward peaks at S + L + (copies still in
     flight) + `forward_peak`, its backward at S + (the reload of the block below, started during
-    it) + `backward_peak`, and from its forward to its backward it adds `held` to what every
+    it, unless the engine waits past its recompute's peak: `BlockProfile.reload_waits`) +
+    `backward_peak`, and from its forward to its backward it adds `held` to what every
     later block sees (and `left` to what every later forward and the turn see).
     """
 
@@ -123,6 +124,12 @@ class BlockProfile:
     parts: tuple[str, ...] = ()
     """Qualified names of the block's parts (`checkpoint.submodules`), in module order; empty
     when the block is planned whole (then it has no `split` or `split_offload` option)."""
+    reload_waits: bool = False
+    """True when, under this block checkpointed (any choice that recomputes it whole), the
+    offload engine reloads the block below only past this block's recompute peak: its uniform
+    full_offload run counted the reload deferred (`OffloadStats.deferred_groups`). False: the
+    reload starts as the recompute begins (the engine fell back: a compiled region, no trainable
+    parameters of its own, a signal too late; or no full_offload run measured it)."""
 
     def taken(self, choice: str) -> tuple[str, ...]:
         """The modules the rule of `choice` takes for this block: its parts for a choice on
@@ -248,7 +255,8 @@ class Profile:
         """The profile `to_json` wrote."""
         blocks = tuple(
             BlockProfile(b["name"], b["forward_ms"], b["backward_ms"],
-                         {c: Option(**o) for c, o in b["options"].items()}, tuple(b.get("parts", ())))
+                         {c: Option(**o) for c, o in b["options"].items()}, tuple(b.get("parts", ())),
+                         bool(b.get("reload_waits", False)))
             for b in data["blocks"])
         rest = {k: v for k, v in data.items() if k != "blocks"}
         rest["notes"] = tuple(rest.get("notes", ()))

@@ -305,6 +305,7 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
             spent.append(warm_up(unprobed_steps))
             unprobed = unprobed_steps()
         moved = [0] * len(names)
+        waits = [False] * len(names)
         if handle.engine is not None:
             # Groups open at the modules the rule takes: a choice on parts (`split_offload`)
             # moves its bytes in groups named after the parts, which count to their block.
@@ -313,6 +314,12 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
                 b = _block_of(g["module"], block_of)
                 if b is not None:
                     moved[b] += g["offloaded_bytes"]
+            # The blocks whose recompute the reload below waited past, in the last step (the
+            # first may differ: a lone Linear's signal misses once, then it reloads at once).
+            for index in handle.engine.stats.deferred_groups or ():
+                b = _block_of(handle.offload_group_names.get(index, ""), block_of)
+                if b is not None:
+                    waits[b] = True
     finally:
         probe.remove()
         handle.remove()
@@ -325,7 +332,7 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
         last.forward_after_ms *= scale
         last.backward_before_ms *= scale
         last.step_ms *= scale
-    return Run(last, moved)
+    return Run(last, moved, waits)
 
 
 def _block_of(module: str, block_of: dict[str, int]) -> int | None:

@@ -1009,7 +1009,7 @@ class OffloadEngine:
                 progress.missed = True
             self._stats.missed_deferrals += 1
         else:
-            self._stats.deferred_reloads += 1
+            self._stats.reload_deferred(group.index)
         self._prefetch(group, seq)
 
     def _settle_deferred(self, group: _Group) -> None:

@@ -78,6 +78,9 @@ class OffloadStats:
     """Checkpointed groups in the last backward whose reload of the groups below waited until
     their module's backward was past its recompute's peak (half its parameters' gradients in),
     instead of starting as the recompute began."""
+    deferred_groups: list[int] | None = None
+    """Their indices (as in `group_offloaded_bytes`), in the order their reloads started: the
+    planner reads from them which blocks' recomputes the reload below waits past."""
     missed_deferrals: int = 0
     """Checkpointed groups in the last backward whose module's gradients came too late to help:
     after the group below was needed (shared or replaced parameters, torch.autograd.grad), or
@@ -129,7 +132,7 @@ class OffloadStats:
         self.deferred_reloads = self.missed_deferrals = self.most_recompute_device_bytes = 0
         self.most_inflight = self.packed_tensors = self.packed_bytes = self.groups = 0
         self.kept_bytes_by_reason = {}
-        self.group_offloaded_bytes, self.group_kept_bytes = [], []
+        self.group_offloaded_bytes, self.group_kept_bytes, self.deferred_groups = [], [], []
         self.most_device_bytes = self.most_forward_device_bytes = self.device_bytes
         self.most_backward_device_bytes = 0
         self._backward = False
@@ -171,6 +174,13 @@ class OffloadStats:
     def recompute_began(self) -> None:
         """A checkpointed group's recompute begins, its reloads started."""
         self.most_recompute_device_bytes = max(self.most_recompute_device_bytes, self.device_bytes)
+
+    def reload_deferred(self, group: int) -> None:
+        """Group `group`'s reload of the groups below waited past its recompute's peak."""
+        self.deferred_reloads += 1
+        if self.deferred_groups is None:
+            self.deferred_groups = []
+        self.deferred_groups.append(group)
 
     def release(self, nbytes: int) -> None:
         """The engine gave `nbytes` of device memory back."""

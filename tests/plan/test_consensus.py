@@ -62,6 +62,21 @@ def test_the_reduction_takes_the_worst_case_of_each_figure():
     assert reduce_profiles([fast_big]) is fast_big
 
 
+def test_the_reload_waits_only_where_every_ranks_engine_waited_and_survives_json():
+    """`reload_waits` (the engine reloads the block below past this block's recompute peak)
+    goes through the exchange's JSON, and is reduced to where every rank waited: a rank whose
+    engine fell back measured the reload in its peak and has it taken off (the old model, which
+    counts it), and with the worst of each option a rank that waited is then counted high, never
+    low."""
+    waits, falls_back = _profile(1.0, 4000), _profile(1.0, 4000)
+    waits = replace(waits, blocks=tuple(replace(b, reload_waits=True) for b in waits.blocks))
+    falls_back = replace(falls_back, blocks=(replace(falls_back.blocks[0], reload_waits=True),
+                                             falls_back.blocks[1]))
+    assert Profile.from_json(waits.to_json()) == waits
+    assert Profile.from_json(falls_back.to_json()) == falls_back
+    assert [b.reload_waits for b in reduce_profiles([waits, falls_back]).blocks] == [True, False]
+
+
 def test_ranks_with_different_candidates_are_refused():
     with pytest.raises(PlanError, match=r"^rank 1 profiled 3 candidate modules on cuda \(a, b, c\) "
                                         r"and rank 0 2 on cuda \(a, b\): one plan for all ranks "

@@ -137,3 +137,30 @@ def test_a_plan_mixing_offload_with_recompute_is_predicted_within_5_percent(prof
         predicted = predict(prof, mixed[name], m)[1]
         assert predicted == pytest.approx(_measured(model, inputs, modules, prof, mixed[name], m),
                                           rel=0.05), (name, m)
+
+
+# Per block, whether the engine reloads the block below only past the block's recompute peak
+# (`BlockProfile.reload_waits`), as each stack's uniform full_offload run counted it. It falls
+# back, reloading as the recompute begins, where the signal (half the block's parameter bytes
+# with their gradient) leaves under a quarter of them to come: the uneven stack's MLPs of 512 and
+# 1024 wide hold over three quarters of their block's weights.
+RELOAD_WAITS = {"blocks": (True,) * 8, "uneven": (True, False, True, False, True, True)}
+
+
+def test_full_offload_blocks_above_kept_ones_are_predicted_as_measured(profiled):
+    """The model drops the reload of the block below a recomputed block only where the engine
+    waited past the recompute's peak, and so does the cost model's subtraction from the uniform
+    full_offload run. Counting it everywhere, kept blocks under full_offload ones came out one
+    block input under what they measured on the blocks stack (94.78 predicted against 95.78
+    block inputs), a plan that could pass its budget; on the uneven stack, blocks that defer and
+    blocks that fall back side by side."""
+    name, model, inputs, modules, prof = profiled
+    n = len(prof.blocks)
+    choices = ("keep",) * (n // 2) + ("full_offload",) * (n - n // 2)
+    predicted = predict(prof, choices)[1]
+    measured = _measured(model, inputs, modules, prof, choices)
+    if name in RELOAD_WAITS:
+        assert tuple(b.reload_waits for b in prof.blocks) == RELOAD_WAITS[name]
+        assert predicted == measured, (name, predicted, measured)  # LiveBytes: to the byte
+    else:  # the loopback Llama's unexplained 2 KiB (see the solver's plans above)
+        assert measured * 0.999 <= predicted <= measured * 1.05, (name, predicted, measured)

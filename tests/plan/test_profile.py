@@ -418,3 +418,36 @@ def test_a_turn_that_peaks_after_what_the_blocks_left_is_gone_is_never_under_pre
                      "cuda", 0.0, 0.0, [], left={"keep": [0, 0], "full": [5, 5]})
     assert predict(prof, ("keep", "full"))[1] == 30 + 10 + 40
     assert predict(prof, ("keep", "keep"))[1] == 100 and predict(prof, ("full", "full"))[1] == 60
+
+
+def _measured_peak(model: nn.Module, x: torch.Tensor, prof: Any, choices: tuple[str, ...]) -> int:
+    """The peak of a training step with `choices` applied as the plan would be."""
+    from actcfg.plan import plan_policy
+    from actcfg.plan.solve import Plan
+    from actcfg.policy.schema import Policy
+
+    step, peak = predict(prof, choices)
+    plan = Plan(tuple(b.name for b in prof.blocks), choices, 1, step, peak, 2**40,
+                tuple(b.taken(c) for b, c in zip(prof.blocks, choices)))
+    source = Policy.model_validate({"version": 1, "checkpoint": {"mode": "auto", "modules": ["Layer"]},
+                                    "memory_budget": 2**40})
+    with apply(model, plan_policy(plan, source)):
+        return measure_steps(model, x, steps=2)[1]
+
+
+def test_where_the_engine_reloads_as_the_recompute_begins_the_model_keeps_that_reload(loopback):
+    """A lone Linear's gradients come as its backward ends, so the engine reloads the layer below
+    as each recompute begins (after the first step), as it did before it waited for gradients:
+    the profile reads no deferral, and the reload stays in the model, under a full_offload layer
+    above kept ones and under a full layer above a full_offload one. Dropping it under every
+    recomputed block (d34276e) moved it into the full_offload option, and these plans came out
+    over what they measured (keep, keep, full_offload, full_offload: 20975624 against 19925000;
+    full_offload, full, full_offload, full: 16781320 against 15730696): a budget refused that
+    the plan fits."""
+    model, x = chain()
+    prof = profile(model, ("Layer",), x, apply=apply)
+    assert [b.reload_waits for b in prof.blocks] == [False] * 4
+    for choices in (("keep", "keep", "full_offload", "full_offload"),
+                    ("full_offload", "full", "full_offload", "full"),
+                    ("keep", "full_offload", "keep", "full_offload")):
+        assert predict(prof, choices)[1] == _measured_peak(model, x, prof, choices), choices

@@ -69,6 +69,30 @@ def test_no_plan_fits_says_so_with_the_smallest_peak():
     assert info.value.smallest_peak == 14 == smallest_peak(HAND)
 
 
+def test_the_smallest_peak_is_a_budget_solve_accepts_where_only_a_mix_reaches_it():
+    """A mix leaves MIXED_HEADROOM of its budget free, so its own peak as the budget was refused:
+    smallest_peak said the peak of full, full_offload, full, full on test_profile's CPU chain
+    (14680072) and solve refused that budget. Here a mix (keep, full) peaks at 22 MB and every
+    uniform plan higher (full: block 0's backward, 30 MB; keep: the turn, 23 MB)."""
+    mb = 1_000_000
+    profile = _profile([
+        {"keep": Option(held=10 * mb, forward_peak=10 * mb, backward_peak=12 * mb),
+         "full": Option(held=1 * mb, forward_peak=10 * mb, backward_peak=30 * mb, recompute_ms=1.0,
+                        extra_ms=1.0)},
+        {"keep": Option(held=10 * mb, forward_peak=10 * mb, backward_peak=12 * mb),
+         "full": Option(held=1 * mb, forward_peak=10 * mb, backward_peak=12 * mb, recompute_ms=1.0,
+                        extra_ms=1.0)},
+    ], turn=3 * mb)
+    assert predict(profile, ("keep", "full"))[1] == 22 * mb
+    budget = smallest_peak(profile)
+    assert 22 * mb < budget < 23 * mb  # the mix's peak and its headroom, below every uniform plan
+    plan = solve(profile, budget)
+    assert (plan.choices, plan.peak) == (("keep", "full"), 22 * mb)
+    with pytest.raises(PlanError) as info:
+        solve(profile, budget - 1)  # the smallest: one byte less fits nothing
+    assert info.value.smallest_peak == budget
+
+
 def _random_block(rng: random.Random) -> dict[str, Option]:
     a = rng.randint(20, 100)  # activations
     i = rng.randint(1, 10)  # input
