@@ -37,10 +37,13 @@ fastest offload runtimes do (../shared/reference/BACKENDS.md section 3):
   parameter bytes have their gradient in that backward (`GradProgress`), past the peak and with
   the rest of the block's backward to hide the copy; so through a recompute the engine holds
   the input being recomputed alone (and the groups kept at the turn above it), and checkpoint +
-  cpu_checkpointing saves n - 2 block inputs against checkpointing alone, not n - 3. Where the
-  gradients cannot say it in time (a compiled region's backward, no parameters of its own that
-  require grad, a lone Linear whose gradients come as its backward ends) the reload starts with
-  the recompute, as for any other group.
+  cpu_checkpointing saves n - 2 block inputs against checkpointing alone at the first recompute's
+  peak, not n - 3 (the peak of a step whose gradients stay allocated from the step before; with
+  them freed at its start, both peak in the lowest block's backward, where no offloaded input is
+  left). Where the gradients cannot say it in time (a compiled region's backward, no plain
+  parameters of its own that require grad, FSDP2's DTensors among them, a lone Linear whose
+  gradients come as its backward ends) the reload starts with the recompute, as for any other
+  group.
 * Host memory comes from a pool (`actcfg.runtime.offload_pool`) reused across steps: page-locked
   (pinned) buffers registered with `cudaHostRegister` at their exact size (torch's pinned
   allocator rounds every request up to a power of two), never more than `pin_budget` in total,
@@ -402,7 +405,9 @@ class GradProgress:
     its reload, so a signal that comes late (or never) costs time, never correctness: if a
     lower group is needed first, its reload starts then, and this module's later backwards
     reload at once (`missed`), as a module without parameters of its own that require grad
-    always does. Made by `OffloadEngine.mark_group(recomputed=module)` at the
+    always does; unless no gradient of the module came at all in that backward
+    (`torch.autograd.grad`), which must happen twice in a row (`note_miss`). FSDP2's
+    parameters (DTensors) send no signal: under FSDP2 the reload starts with the recompute. Made by `OffloadEngine.mark_group(recomputed=module)` at the
     module's first call; its hooks come off with `OffloadEngine.close`.
     """
 
@@ -418,7 +423,21 @@ class GradProgress:
         self.arrived = 0  # parameter bytes whose gradient came since it began to wait
         self.total = 0  # the module's parameter bytes that require grad now
         self.need = 0  # half of them
-        self.missed = False  # the signal once came too late to help: the reload no longer waits
+        self.missed = False  # the signal came too late to help: the reload no longer waits
+        self.silent = 0  # backwards in a row in which no gradient of the module accumulated
+
+    def note_miss(self) -> None:
+        """The signal came too late in this backward. Some gradient of the module arrived (one
+        Linear's, whose weight is nearly all its bytes; shared or replaced parameters): so it
+        will in every backward, and the reload no longer waits. None arrived: that backward
+        accumulated none (`torch.autograd.grad`, a gradient penalty or a saliency probe
+        between training steps), which one call does not make a habit of: the reload waits
+        again in the next backward, and stops waiting only after two such backwards in a row."""
+        if self.arrived:
+            self.missed = True
+        else:
+            self.silent += 1
+            self.missed = self.silent >= 2
 
     def arm(self, group: _Group) -> bool:
         """`group`'s recompute begins: count from now. False when there is nothing to wait for
@@ -983,7 +1002,7 @@ class OffloadEngine:
         if progress is None:
             return False
         if progress.waiting is not None:  # the module's earlier call, whose signal never came
-            self._past_peak(progress.waiting)
+            self._past_peak(progress.waiting, missed=True)
         if not progress.arm(group):
             return False
         self._deferred.append(group)
@@ -1004,11 +1023,14 @@ class OffloadEngine:
         if missed:
             # The module's gradients come after the group below is needed (shared or replaced
             # parameters, torch.autograd.grad), or only as its backward ends (one Linear):
-            # waiting hides nothing, so its later backwards reload at once, as before.
+            # waiting hides nothing, so its later backwards reload at once, as before
+            # (`GradProgress.note_miss`: not for one backward that accumulated nothing).
             if progress is not None:
-                progress.missed = True
+                progress.note_miss()
             self._stats.missed_deferrals += 1
         else:
+            if progress is not None:
+                progress.silent = 0
             self._stats.reload_deferred(group.index)
         self._prefetch(group, seq)
 

@@ -109,9 +109,10 @@ class OffloadStats:
     once (for checkpointed blocks, their inputs: the group in use and the one being prefetched)."""
     most_recompute_device_bytes: int = 0
     """High-water mark of `device_bytes` as the last backward's checkpointed groups began their
-    recompute, after the reloads each started then: what the engine held through a recompute's
-    peak (for checkpointed blocks, the input being recomputed and the groups kept at the turn
-    above it; the block below comes back past the peak)."""
+    recompute, after the reloads each started then: what the engine held as the recompute began
+    (for checkpointed blocks, the input being recomputed and the groups kept at the turn above
+    it; the block below comes back on the block's gradient signal, past the recompute's peak,
+    unless that signal came before the peak: then this reading understates)."""
 
     def as_dict(self) -> dict[str, Any]:
         """The counters as JSON-able data."""

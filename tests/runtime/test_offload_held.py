@@ -206,26 +206,50 @@ def test_blocks_with_no_gradients_of_their_own_reload_the_block_below_as_their_r
 
 def test_gradients_that_never_accumulate_settle_the_wait_when_the_block_below_is_needed():
     """torch.autograd.grad accumulates no gradient, so the signal never comes: when the block
-    below is needed its reload starts (the unpack waits for it: the gradients are right), and
-    from then on that block's reload below starts with its recompute, as without the signal."""
+    below is needed its reload starts (the unpack waits for it: the gradients are right). One
+    such backward is not a habit (a gradient penalty between training steps): the next waits
+    again; after two in a row the reload below starts with the recompute, as without the
+    signal."""
     model, x = _stack()
     one = x.numel() * x.element_size()
     params = list(model.parameters())
     got = []
     with host_loopback(), apply(model, FULL_CPU) as handle:
         misses = []
-        for _ in range(2):
+        for _ in range(3):
             got = torch.autograd.grad(model(x).square().mean(), params)
             st = handle.engine.stats
             misses.append((st.missed_deferrals, st.deferred_reloads, st.late_reloads))
         recompute_held = handle.engine.stats.most_recompute_device_bytes
-    # the first backward: every block's wait but the lowest's is settled by the block below
-    assert misses == [(N - 1, 0, 0), (0, 0, 0)]
+    # every block's wait but the lowest's is settled by the block below, twice; then none waits
+    assert misses == [(N - 1, 0, 0), (N - 1, 0, 0), (0, 0, 0)]
     assert recompute_held == 2 * one
     plain, _ = _stack()
     with apply(plain, {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]}}):
         want = torch.autograd.grad(plain(x).square().mean(), list(plain.parameters()))
     assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_one_backward_without_accumulated_gradients_leaves_the_next_ones_waiting():
+    """A single torch.autograd.grad between training steps (an input-saliency probe, a gradient
+    penalty) settles its waits late, once; the training backwards around it wait for their
+    gradients as before, each holding only the input being recomputed."""
+    model, x = _stack()
+    one = x.numel() * x.element_size()
+    counts = []
+    with host_loopback(), apply(model, FULL_CPU) as handle:
+        for probe in (False, True, False, False):
+            model.zero_grad(set_to_none=False)
+            loss = model(x).square().mean()
+            if probe:
+                torch.autograd.grad(loss, [x])
+            else:
+                loss.backward()
+            st = handle.engine.stats
+            counts.append((st.deferred_reloads, st.missed_deferrals, st.late_reloads,
+                           st.most_recompute_device_bytes))
+    assert counts[0] == counts[2] == counts[3] == (N, 0, 0, one)
+    assert counts[1][:3] == (0, N - 1, 0)
 
 
 @pytest.mark.slow
