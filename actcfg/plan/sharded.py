@@ -124,9 +124,21 @@ def deepspeed_backward(model: nn.Module) -> Backward:
     # set to None again by engine.destroy()). Without a DeepSpeed hook on it (the bf16 optimizer
     # without `immediate_grad_update`) gradients stay in `.grad` until engine.backward's
     # epilogue, which the profile never calls: a plain backward, as without ZeRO.
-    hooks = [hook for p in params if getattr(p, "_hp_mapping", None) is not None
-             for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()
-             if getattr(hook, "__module__", "").startswith("deepspeed.")]
+    linked = [p for p in params if getattr(p, "_hp_mapping", None) is not None]
+    found = [hook for p in linked for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()]
+    hooks = [hook for hook in found if getattr(hook, "__module__", "").startswith("deepspeed.")]
+    # With no hook of DeepSpeed's found, the profile's backward is a plain one, which fires
+    # every hook on the parameters: a user's (gradient logging) is harmless there, but one that
+    # holds a DeepSpeed object (DeepSpeed's hook wrapped by another module, or registered by a
+    # version that names it otherwise) may reduce the profile's gradients into the run.
+    wrapped = [hook for hook in found if hook not in hooks and _holds_deepspeed(hook)]
+    if not hooks and wrapped:
+        raise PlanError(
+            "`checkpoint.mode: auto` under the DeepSpeed engine: parameters DeepSpeed links to "
+            f"its optimizer carry a gradient hook that holds a DeepSpeed object ({wrapped[0]!r}) "
+            "but is not DeepSpeed 0.19's own: the profile cannot tell whether it reduces the "
+            "profile's gradients into the run; plan the unwrapped model in a one-process run "
+            "(or with `actcfg plan`) and apply the written plan")
     if not hooks:
         return Backward()
     optimizers = {id(o): o for o in map(_hooked_optimizer, hooks)}
@@ -140,6 +152,25 @@ def deepspeed_backward(model: nn.Module) -> Backward:
             "plan`) and apply the written plan")
     (optimizer,) = optimizers.values()
     return Backward(apart=tuple(params), buffers=_zero_buffers(optimizer))
+
+
+def _holds_deepspeed(hook: Any) -> bool:
+    """Whether a hook is, or holds in its closure or as its bound object, something of
+    DeepSpeed's (one level down: what a wrapper of DeepSpeed's hook would hold)."""
+    function = getattr(hook, "__func__", hook)  # a bound method's function
+    held = [function, getattr(hook, "__self__", None)]
+    for cell in getattr(function, "__closure__", None) or ():
+        try:
+            held.append(cell.cell_contents)
+        except ValueError:  # a cell not filled yet
+            pass
+    return any(_from_deepspeed(obj) for obj in held if obj is not None)
+
+
+def _from_deepspeed(obj: Any) -> bool:
+    # a function or class by where it was defined, anything else by its type
+    module = getattr(obj, "__module__", None) if callable(obj) else None
+    return any(isinstance(m, str) and m.startswith("deepspeed.") for m in (module, type(obj).__module__))
 
 
 def _hooked_optimizer(hook: Any) -> Any:

@@ -279,6 +279,35 @@ ENGINES = {
 }
 
 
+@pytest.mark.deepspeed
+def test_a_gradient_hook_holding_deepspeeds_optimizer_but_not_its_own_is_refused(ds_env):
+    """The bf16 optimizer without immediate_grad_update hooks nothing, so the profile's backward
+    is a plain one, which fires every hook on the parameters. A user's hook is harmless there;
+    one that holds DeepSpeed's optimizer (its hook wrapped elsewhere, or a DeepSpeed that
+    registers it otherwise) might reduce the profile's gradients into the run: refused before
+    any step, the parameters' gradients untouched."""
+    engine, x = engine_of(1, BF16_OPTIMIZER)
+    module, optimizer = engine.module, engine.optimizer
+    assert type(optimizer).__name__ == "BF16_Optimizer"
+    param = next(module.parameters())
+
+    def wrapped(p):  # as a wrapper of DeepSpeed's hook would: it holds the optimizer
+        return optimizer
+
+    harmless = param.register_post_accumulate_grad_hook(lambda p: None)
+    handle = param.register_post_accumulate_grad_hook(wrapped)
+    try:
+        with pytest.raises(PlanError, match=r"holds a DeepSpeed object .* not DeepSpeed 0\.19's own"):
+            actcfg.apply(module, auto(1 << 20), inputs=x)
+    finally:
+        handle.remove()
+    assert all(p.grad is None for p in module.parameters())
+    from actcfg.plan.sharded import deepspeed_backward
+
+    assert deepspeed_backward(module).apart == ()  # the user's hook alone: a plain backward
+    harmless.remove()
+
+
 @pytest.mark.slow
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("engine_kind", list(ENGINES))
