@@ -1,7 +1,7 @@
 """The engine's memory discipline on the GPU (its CPU twin: test_offload_held.py): checkpoint +
 `cpu_checkpointing` against checkpointing alone on the blocks stack of `actcfg.probes:blocks`
 (8 blocks, d_model 2048, batch 8, sequence 2048, bf16: offload_bench's stack), gradients kept
-across steps (`zero_grad(set_to_none=False)`, as DDP, FSDP and DeepSpeed keep them).
+across steps (`zero_grad(set_to_none=False)`, as DDP and DeepSpeed keep them).
 
 Checkpointing alone peaks in the first block's backward (block 7's) holding the inputs of
 blocks 1-7 (block 0's is the caller's batch). The engine holds there the input being
