@@ -51,8 +51,9 @@ class OffloadError(PolicyApplyError):
 
 
 class PlanError(PolicyApplyError):
-    """No plan fits `memory_budget` (`smallest_peak`: the lowest peak any plan reaches, in
-    bytes), or the model could not be profiled."""
+    """No plan fits `memory_budget` (`smallest_peak`: the smallest budget the solver accepts, in
+    bytes: the lowest peak any plan reaches, plus its 0.01% headroom where only a mix of
+    choices reaches it), or the model could not be profiled."""
 
     def __init__(self, message: str, smallest_peak: int | None = None) -> None:
         super().__init__(message)
