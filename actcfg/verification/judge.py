@@ -87,9 +87,18 @@ def _judge_held(m: Measurements) -> Verdict | None:
     held = m.backward_held_bytes / one
     forward = "" if m.forward_held_bytes is None else (
         f"; forward held {m.forward_held_bytes / one:.1f} at most")
-    recompute = "" if m.recompute_held_bytes is None else (
-        f"; through a recompute {m.recompute_held_bytes / one:.1f}, against {allowed - 1} where "
-        "the block below waits for the block's gradients")
+    recompute = ""
+    if m.recompute_held_bytes is not None:
+        through = m.recompute_held_bytes / one
+        recompute = (f"; through a recompute {through:.1f}, against {allowed - 1} where the block "
+                     "below waits for the block's gradients")
+        if through > allowed - 1 + FLAT_FRACTION:
+            # Not a failure (the backward allowance covers it), but say why, or "2.0 against 1"
+            # reads as one.
+            recompute += (" (here it came back as the recompute began: the block's gradients "
+                          "could not say its peak was past in time, as for a compiled block, "
+                          "frozen or FSDP2-sharded weights, or one layer whose gradient comes "
+                          "as its backward ends)")
     text = (f"backward held {held:.1f} block inputs on the GPU at most, against the "
             f"{allowed} the schedule allows (keep_last {m.keep_last}: the block in use and the "
             f"one being prefetched){forward}{recompute}")

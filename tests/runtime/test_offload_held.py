@@ -395,6 +395,17 @@ def test_verify_passes_two_inputs_held_in_backward_and_says_what_the_schedule_al
                               "for the block's gradients")
 
 
+def test_verify_says_why_a_recompute_held_the_block_below_and_still_passes():
+    """Where the engine fell back (a lone Linear, frozen or sharded weights), a recompute holds
+    the block below too: within the backward allowance, so it passes, and it says why, so that
+    "2.0 against 1" does not read as a failure."""
+    v = _held(replace(_measured(), recompute_held_bytes=2 * B))
+    assert v.ok
+    assert "through a recompute 2.0, against 1 where" in v.message
+    assert v.message.endswith("or one layer whose gradient comes as its backward ends)")
+    assert "here it came back" not in _held(_measured()).message
+
+
 @pytest.mark.parametrize(("keep_last", "held", "ok"), [(1, 3, False), (2, 3, True), (0, 2, True), (2, 4, False)])
 def test_verify_fails_more_inputs_in_backward_than_keep_last_plus_one(keep_last, held, ok):
     v = _held(replace(_measured(), keep_last=keep_last, backward_held_bytes=held * B))
