@@ -43,7 +43,9 @@ fastest offload runtimes do (../shared/reference/BACKENDS.md section 3):
   left). Where the gradients cannot say it in time (a compiled region's backward, no plain
   parameters of its own that require grad, FSDP2's DTensors among them, a lone Linear whose
   gradients come as its backward ends) the reload starts with the recompute, as for any other
-  group.
+  group. A storage several groups save (the rotary cos/sin a Llama gives every layer) belongs to
+  the group that saved it first; a group above that needs it gets it reloaded on its own, which
+  neither settles the waits above nor moves the reload cursor down.
 * Host memory comes from a pool (`actcfg.runtime.offload_pool`) reused across steps: page-locked
   (pinned) buffers registered with `cudaHostRegister` at their exact size (torch's pinned
   allocator rounds every request up to a power of two), never more than `pin_budget` in total,
@@ -343,7 +345,8 @@ class _Chunk:
 class _Saved:
     """What autograd keeps for one offloaded tensor: which chunk, and how to view it."""
 
-    __slots__ = ("__weakref__", "chunk", "size", "stride", "offset", "dtype", "version", "view", "modified")
+    __slots__ = ("__weakref__", "chunk", "size", "stride", "offset", "dtype", "version", "view", "modified",
+                 "foreign")
 
     def __init__(self, tensor: torch.Tensor, chunk: _Chunk) -> None:
         self.chunk = chunk
@@ -355,6 +358,9 @@ class _Saved:
         # The saved view itself, while its storage is on the device: in-place changes show here.
         self.view: torch.Tensor | None = tensor.detach()
         self.modified = False
+        # Saved by a later group than the chunk's (a tensor every block is given, as the rotary
+        # tables a Llama computes once): its unpack is no sign that the chunk's group is needed.
+        self.foreign = False
 
     def on(self, storage_bytes: torch.Tensor) -> torch.Tensor:
         """This view, rebuilt over a uint8 tensor holding the whole storage."""
@@ -828,6 +834,7 @@ class OffloadEngine:
         if chunk is not None and chunk.holds(tensor):
             saved = _Saved(tensor, chunk)
             saved.view = None  # served from the host copy: the device memory stays released
+            saved.foreign = chunk.group is not group
             chunk.views.append(weakref.ref(saved))
             return saved
         if chunk is None or chunk.gpu is None or chunk.nbytes != storage.nbytes():
@@ -847,6 +854,7 @@ class OffloadEngine:
             if group.eager:
                 self._pending = chunk
         saved = _Saved(tensor, chunk)
+        saved.foreign = chunk.group is not group
         chunk.views.append(weakref.ref(saved))
         return saved
 
@@ -922,10 +930,16 @@ class OffloadEngine:
             return packed.tensor
         saved = packed
         chunk = saved.chunk
-        if self._deferred:
-            self._settle_deferred(chunk.group)
-        chunk.use()  # before the prefetch: it no longer takes room in the window
-        self._prefetch(chunk.group, chunk.seq)
+        if saved.foreign:
+            # A storage an earlier group saved first, needed by a group above it: reloaded on
+            # its own below if not back yet (it is needed now), without settling the waits
+            # above it or moving the reload cursor down past the groups between.
+            chunk.use()
+        else:
+            if self._deferred:
+                self._settle_deferred(chunk.group)
+            chunk.use()  # before the prefetch: it no longer takes room in the window
+            self._prefetch(chunk.group, chunk.seq)
         saved.check_version()
         if saved.modified:
             raise _modified_error(saved.size, saved.dtype)

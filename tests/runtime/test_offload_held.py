@@ -21,7 +21,7 @@ from actcfg.runtime.offload import OffloadEngine, host_loopback
 from actcfg.api import apply
 from actcfg.policy.schema import Policy
 from actcfg.verification import GradDiff, Measurements, RunMeasurement, judge
-from actcfg.verification.models import blocks
+from actcfg.verification.models import Block, blocks
 from _helpers import Layer
 
 N = 8
@@ -228,6 +228,62 @@ def test_gradients_that_never_accumulate_settle_the_wait_when_the_block_below_is
     with apply(plain, {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]}}):
         want = torch.autograd.grad(plain(x).square().mean(), list(plain.parameters()))
     assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+class _Tabled(nn.Module):
+    """A block that also takes a tensor every block is given, as a Llama layer takes the rotary
+    cos/sin tables its model computes once per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block(128, 2, 256)
+
+    def forward(self, x, table):
+        return self.block(x + table)
+
+
+class _TabledStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Tabled() for _ in range(N))
+
+    def forward(self, x):
+        table = torch.sin(x.detach() * 0.5)  # one storage, as large as a block input
+        for layer in self.layers:
+            x = layer(x, table)
+        return x
+
+
+def test_a_tensor_every_block_is_given_does_not_cancel_the_wait_of_the_blocks_above():
+    """The table is saved first in block 0's group and served from there to every block's
+    recompute: block 7's recompute needs it first. That is not the block below being needed
+    before the signal (whose wait it would settle, and switch off: on a Llama, every layer's
+    wait, for the rotary tables, measured on the CPU), so every block still waits for its
+    gradients; the table comes back once, late (it is small, and needed right away)."""
+    torch.manual_seed(0)
+    model = _TabledStack()
+    x = torch.randn(4, 512, 128, requires_grad=True)
+    one = x.numel() * x.element_size()
+    cfg = {"version": 1, "checkpoint": {"mode": "full", "modules": ["_Tabled"]}, "cpu_checkpointing": True}
+    counts = []
+    with host_loopback(), apply(model, cfg) as handle:
+        for _ in range(2):
+            model.zero_grad(set_to_none=False)
+            model(x).square().mean().backward()
+            st = handle.engine.stats
+            counts.append((st.deferred_reloads, st.missed_deferrals, st.late_reloads))
+        recompute_held = handle.engine.stats.most_recompute_device_bytes
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert counts == [(N, 0, 1)] * 2
+    assert recompute_held == 2 * one  # the input being recomputed, and the table once it is back
+    torch.manual_seed(0)
+    plain = _TabledStack()
+    with apply(plain, {"version": 1, "checkpoint": {"mode": "full", "modules": ["_Tabled"]}}):
+        for _ in range(2):
+            plain.zero_grad(set_to_none=False)
+            plain(x).square().mean().backward()
+    for name, p in plain.named_parameters():
+        assert torch.equal(got[name], p.grad), name
 
 
 def test_one_backward_without_accumulated_gradients_leaves_the_next_ones_waiting():
