@@ -46,11 +46,14 @@ def _memory_notes(runs: dict[str, Run], cuda: bool) -> list[str]:
 def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run], device: str,
               d2h: float, h2d: float, notes: list[str], *,
               parts: list[tuple[str, ...]] | None = None, largest_storage: int = 0,
-              window_storages: int = 0, left: dict[str, list[int]] | None = None) -> Profile:
+              window_storages: int = 0, left: dict[str, list[int]] | None = None,
+              twice: dict[str, list[int]] | None = None) -> Profile:
     """The profile from the byte counts and the uniform runs (see `Option` for each term);
     `parts` names each block's parts (`checkpoint.submodules`); `largest_storage` and
     `window_storages` state the offload engine's copy window (see `Profile`); `left`, per
-    choice counted, what each block's forward leaves alive until the turn (`Option.left`)."""
+    choice counted, what each block's forward leaves alive until the turn (`Option.left`);
+    `twice`, per choice counted, the bytes of each block's held count that an earlier block's
+    count holds too (one storage: see `saved_bytes`' `passed_on`)."""
     n = len(names)
     parts = parts or [()] * n
     cuda = device == "cuda"
@@ -82,8 +85,16 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
             lasts[choice.name] = lasts[choice.counterpart]
     lasts = {c: lasts.get(c, [0] * n) for c in CHOICES}
 
+    # A storage two blocks' counts both hold is held once in the run, so the blocks before b hold
+    # it once there. Each block's `held` keeps it (in a plan the other block may not hold it):
+    # a plan of such blocks is predicted above what it holds, never below. Read from the
+    # inflated sums instead, a selective chain of lone Linears (each output counted as its own
+    # saved output and as the next one's input) read every block's own peaks as 0, and a plan of
+    # kept Linears with the last one selective was predicted 2 layer inputs under what it ran.
+    shared = {c: (twice or {}).get(c, [0] * n) for c in hold}
+
     def before(c: str, b: int) -> int:  # what the blocks before b hold in a uniform run of c
-        return sum(hold[c][:b])
+        return sum(hold[c][:b]) - sum(shared[c][:b])
 
     def forward_before(c: str, b: int) -> int:  # ... and left, at b's forward (b = n: the turn)
         return before(c, b) + sum(lasts[c][:b])

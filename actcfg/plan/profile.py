@@ -488,8 +488,11 @@ def profile(
                         handle.remove()
             # Eager, its inputs (counted above) and its saved ops' outputs, which bypass the
             # hooks; compiled, the graph saves those outputs itself and the hooks counted them.
+            twice: dict[str, list[int]] = {}
             if "selective" in wanted and not compiled:
-                outputs = saved_bytes(model, blocks, args, kwargs, save_ops=resolve_ops(DEFAULT_SAVE_OPS))
+                twice["selective"] = [0] * len(blocks)
+                outputs = saved_bytes(model, blocks, args, kwargs, save_ops=resolve_ops(DEFAULT_SAVE_OPS),
+                                      passed_on=twice["selective"])
                 held["selective"] = [s + o for s, o in zip(held["selective"], outputs)]
             timing.end("counts", counting)
             # One host pool for every offload run (see `shared_host_pool`): closed (unpinned)
@@ -577,6 +580,7 @@ def profile(
             "TORCH_LOGS=recompiles,graph_breaks to see why, or remove `compile`")
     offloaded = any(c in runs for c in OFFLOADS)
     profiled = assemble(names, held, runs, device.type, d2h, h2d, notes, parts=part_names, left=left,
+                        twice=twice,
                         largest_storage=max(largest, default=0) if offloaded else 0,
                         window_storages=WINDOW_STORAGES if offloaded else 0)
     compile_ms = sum(spent)

@@ -95,6 +95,7 @@ class _OpOutputs(TorchDispatchMode):
     def __init__(self, ops: set[Any], where: _Attribution, out: list[int], seen: _Storages) -> None:
         super().__init__()
         self.ops, self.where, self.out, self.seen = ops, where, out, seen
+        self.made: dict[int, tuple[int, int]] = {}  # address -> (candidate, bytes), each counted one
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         result = func(*args, **(kwargs or {}))
@@ -105,7 +106,28 @@ class _OpOutputs(TorchDispatchMode):
                     storage = t.untyped_storage()
                     if storage.nbytes() and self.seen.add(storage):
                         self.out[i] += storage.nbytes()
+                        self.made[storage.data_ptr()] = (i, storage.nbytes())
         return result
+
+    def passed_on(self, n: int, modules: Sequence[nn.Module]) -> tuple[list[int], list[Any]]:
+        """Per candidate, the bytes of counted outputs of earlier candidates it takes as inputs
+        (a lone Linear's output is the next one's input); with the hooks that count them."""
+        into = [0] * n
+
+        def taking(j: int) -> Callable[..., None]:
+            def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+                for t in tree_flatten((args, kwargs))[0]:
+                    if not isinstance(t, torch.Tensor):
+                        continue
+                    # Still alive: it is an input now, so its address is still its own.
+                    made = self.made.get(t.untyped_storage().data_ptr())
+                    if made is not None and made[0] < j:
+                        into[j] += made[1]
+                        del self.made[t.untyped_storage().data_ptr()]
+            return hook
+        handles = [m.register_forward_pre_hook(torch.compiler.disable(taking(j)), with_kwargs=True)
+                   for j, m in enumerate(modules)]
+        return into, handles
 
 
 class _Created(TorchDispatchMode):
@@ -157,7 +179,8 @@ class _Created(TorchDispatchMode):
 def saved_bytes(model: nn.Module, modules: Sequence[nn.Module], args: tuple[Any, ...],
                 kwargs: dict[str, Any], save_ops: Sequence[Any] = (),
                 largest: list[int] | None = None, sizes: list[list[int]] | None = None,
-                left: list[int] | None = None, kept_apart: Sequence[Any] = ()) -> list[int]:
+                left: list[int] | None = None, kept_apart: Sequence[Any] = (),
+                passed_on: list[int] | None = None) -> list[int]:
     """Bytes of the storages autograd saves inside each module's forward (its first call; each
     storage counted once, parameters and leaves that require grad left out); with `save_ops`,
     the bytes of those ops' outputs there instead (what selective checkpointing keeps besides
@@ -173,7 +196,11 @@ def saved_bytes(model: nn.Module, modules: Sequence[nn.Module], args: tuple[Any,
     region ends, past the loss inside a Hugging Face model's forward): a checkpointed block
     saves none of them and still holds them all through the rest of the forward. `kept_apart`:
     ops whose outputs the policy keeps by other means (selective checkpointing's saved ops),
-    not left over. Eager only: compiled graphs run below the dispatch mode that sees the ops."""
+    not left over. `passed_on`, when given (one entry per module, with `save_ops`), gets per
+    module the bytes of the counted outputs of earlier modules it takes as its input: selective
+    checkpointing holds such a storage once, where the counts give it twice (the earlier
+    module's saved output, and the input this module's checkpoint keeps). Eager only: compiled
+    graphs run below the dispatch mode that sees the ops."""
     where = _Attribution(modules)
     out = [0] * len(modules)
     seen = _Storages()
@@ -206,8 +233,17 @@ def saved_bytes(model: nn.Module, modules: Sequence[nn.Module], args: tuple[Any,
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             mode = _OpOutputs(set(save_ops), where, out, seen) if save_ops else made or contextlib.nullcontext()
-            with mode:
-                result = model(*args, **kwargs)
+            taking: list[Any] = []
+            if passed_on is not None and isinstance(mode, _OpOutputs):
+                into, taking = mode.passed_on(len(modules), modules)
+            try:
+                with mode:
+                    result = model(*args, **kwargs)
+            finally:
+                for h in taking:
+                    h.remove()
+            if taking:
+                passed_on[:] = into
         del result
     finally:
         where.remove()

@@ -123,3 +123,20 @@ def test_what_a_block_leaves_until_the_forward_ends_is_its_unsaved_weight_casts(
         assert left == [expected] * 3, (checkpointed, autocast)
         if autocast and not checkpointed:
             assert all(h >= weight for h in held)  # the weight's cast is saved, so held
+
+
+def test_an_output_a_later_module_takes_as_its_input_is_told_as_counted_twice():
+    """A lone Linear's output is a saved op's output (selective keeps it) and the next Linear's
+    input (its checkpoint keeps that): one storage. `passed_on` names it on the taker, so a
+    uniform selective run's blocks before b are read as holding it once."""
+    from actcfg.policy.schema import DEFAULT_SAVE_OPS
+    from actcfg.runtime.torch_applier import resolve_ops
+
+    torch.manual_seed(0)
+    chain = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(3)))
+    x = torch.randn(ROWS, WIDTH)
+    passed = [0] * 3
+    outputs = saved_bytes(chain, list(chain), (x,), {}, save_ops=resolve_ops(DEFAULT_SAVE_OPS),
+                          passed_on=passed)
+    assert outputs == [ONE, ONE, ONE]  # each Linear's addmm output
+    assert passed == [0, ONE, ONE]  # the first takes the batch; each later one an earlier output
