@@ -83,6 +83,9 @@ class Row:
     and `outside` (the rest of what `plan_seconds` spent beyond the profile: writing and
     applying the plan, the integration's checks)."""
     plan: list[dict[str, str]] = field(default_factory=list)
+    profile: dict[str, Any] | None = None
+    """The profile the plan was solved from (`Profile.to_json`): what the planner measured, to
+    set beside what the row measured and to solve again offline."""
 
 
 class _Clock:
@@ -129,8 +132,28 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
+PROFILES: list[dict[str, Any]] = []
+"""The profiles planned from in this run, newest last (`_keep_profiles`)."""
+
+
+def _keep_profiles() -> None:
+    """Each profile the callbacks plan from, kept for its row: `plan_model` returns it and the
+    applied handle keeps only the report."""
+    import actcfg.plan
+
+    made = actcfg.plan.plan_model
+
+    def kept(*args: Any, **kwargs: Any) -> Any:
+        planned = made(*args, **kwargs)
+        PROFILES.append(planned.profile.to_json())
+        return planned
+    actcfg.plan.plan_model = kept  # api.apply imports it from there when it plans
+
+
 def _policy_facts(row: Row, callback: Any) -> None:
     applied = callback.applied
+    if PROFILES and callback.plan_seconds is not None:
+        row.profile = PROFILES.pop()
     if callback.plan_seconds is not None:
         row.plan_seconds = callback.plan_seconds
     if applied is None:
@@ -401,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         print("trainer_bench needs a CUDA GPU (or --tiny for a CPU smoke run)", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
+    _keep_profiles()
     wanted = args.workloads.split(",")
     rows: list[Row] = []
     if "hf" in wanted:
