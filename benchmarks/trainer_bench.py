@@ -147,7 +147,9 @@ def _keep_profiles() -> None:
         planned = made(*args, **kwargs)
         PROFILES.append(planned.profile.to_json())
         return planned
-    actcfg.plan.plan_model = kept  # api.apply imports it from there when it plans
+    # api.apply imports it from there when it plans; the integrations import it when they are
+    # imported, which the workloads do after this
+    actcfg.plan.plan_model = kept
 
 
 def _policy_facts(row: Row, callback: Any) -> None:
