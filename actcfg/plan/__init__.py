@@ -137,6 +137,7 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
     grads = _gradient_bytes(model) if accumulating or grads_through_forward else 0
     profiled = dataclasses.replace(profiled, compiled=local.compiled, profile_ms=local.profile_ms,
                                    compile_ms=local.compile_ms, parts_ms=local.parts_ms,
+                                   parts_steps=local.parts_steps,
                                    accumulated_grads=grads if accumulating else 0,
                                    forward_grads=0 if accumulating else grads)
     if profiled.forward_grads:  # plain's peak as the plan's, with them (a uniform run: exact)
@@ -155,7 +156,9 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
     text = policy_yaml(planned, plan, profiled, origin=origin)
     agree(text)
     _refuse_inexact(model, planned, plan)
-    return Planned(planned, plan.report(profiled, text), profiled, plan)
+    # `parts_steps` is set here, not in `Plan.report` (solve's), which reads the profile's times
+    report = dataclasses.replace(plan.report(profiled, text), parts_steps=dict(profiled.parts_steps))
+    return Planned(planned, report, profiled, plan)
 
 
 WHOLE_TRIES = 3

@@ -94,20 +94,51 @@ def test_a_compiled_plan_is_profiled_compiled_fits_and_trains_like_plain(scope):
 
 
 @pytest.mark.slow
-def test_a_per_block_compiled_profile_times_each_choice_in_a_few_steps():
-    """`scope: blocks`: the probe's hooks run around the compiled forwards, so taking them off
-    builds no graph, and the unprobed step is timed without a second warm-up (which was four
-    steps or more per choice: 37 model steps for three choices on this stack, now 15)."""
+@pytest.mark.parametrize("scope", ["blocks", "model"])
+def test_a_compiled_profile_times_each_choice_in_a_few_steps(scope):
+    """Per choice one step that compiles, then the steady probed step it reads (the first that
+    compiles nothing: `_steady`) and one unprobed: three, where the warm-up that waited for the
+    step time to stop falling ran four (`scope: blocks`, 15 model calls for three choices with
+    the counting forwards) or six and more (`scope: model`, 23-25). The profile says so by
+    part (`parts_steps`), as the benchmark reports it."""
     torch._dynamo.reset()
     model, x = small_blocks(4)
     steps: list[int] = []
     model.register_forward_pre_hook(lambda module, args: steps.append(1))
-    planned = plan_model(model, load(policy("blocks")), x, apply=_apply_trial)
+    planned = plan_model(model, load(policy(scope)), x, apply=_apply_trial)
     choices = planned.profile.choices()
-    # per choice: a warm-up that compiles and one that settles, a probed and an unprobed step,
-    # and its counting forward; never the second warm-up
-    assert len(steps) <= 5 * len(choices), (len(steps), choices)
+    assert choices == ("keep", "selective", "full")
+    # a counting forward per choice; per run one warm-up (it compiles), a probed and an
+    # unprobed step
+    want = {"counts": 3, **{c: 2 for c in choices}, "warm_ups": 3}
+    assert planned.profile.parts_steps == want
+    assert planned.report.parts_steps == want
+    assert len(steps) == sum(want.values()) == 12
     assert planned.profile.compile_ms > 0 and planned.report.predicted_peak <= 80 * 2**10
+    torch._dynamo.reset()
+
+
+def test_a_step_that_compiles_is_warm_up_and_the_first_that_compiles_nothing_is_read():
+    """`_steady`: a recompile (here a second shape, which dynamo then marks dynamic) is warm-up
+    too; the call after it compiles nothing and is the reading. What the compiling calls took
+    beyond it is compile time."""
+    from actcfg.plan.profile import _steady
+
+    torch._dynamo.reset()
+    double = torch.compile(lambda t: t * 2, backend="aot_eager")
+    sizes = iter([2, 3, 4, 5])
+    calls: list[int] = []
+
+    def step() -> int:
+        n = next(sizes)
+        calls.append(n)
+        double(torch.ones(n))
+        return n
+
+    spent: list[float] = []
+    got, wall_ms = _steady(step, spent)
+    assert (got, calls) == (4, [2, 3, 4])  # compiled for 2, recompiled for 3, steady at 4
+    assert wall_ms > 0 and len(spent) == 1 and spent[0] >= 0
     torch._dynamo.reset()
 
 
