@@ -292,6 +292,12 @@ class _Timing:
         out["rest"] = max(0.0, total_ms - compile_ms - sum(out.values()))
         return out
 
+    def move_calls(self, source: str, to: str, calls: int) -> None:
+        """`calls` model calls made inside `source`'s span that are `to`'s."""
+        if calls:
+            self.steps[source] = self.steps.get(source, 0) - calls
+            self.steps[to] = self.steps.get(to, 0) + calls
+
     def step_counts(self) -> dict[str, int]:
         """The model calls by part, in `result`'s order."""
         order = ["counts", *CHOICES, "warm_ups"]
@@ -319,18 +325,23 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
          apply: Apply, meter: Meter, steps: int, pin: bool,
          pin_budget: int | None, taken: Sequence[str], compile: Compile | None = None,
          spent: list[float] | None = None, warmed: _Warmed | None = None,
-         outputs_held: bool = True, strict: bool = False, backward: Backward = Backward()) -> Run:
+         outputs_held: bool = True, strict: bool = False, backward: Backward = Backward(),
+         before: Callable[[], None] | None = None) -> Run:
     # `taken`: the modules the choice's rule names (the blocks, or their parts for `split` and
     # `split_offload`); the probe and the byte counts stay on the blocks either way. Keep too
     # runs as applied (a `mode: none` rule), as the plan will: applying any policy turns a
     # Hugging Face model's `use_cache` off (`prepare_hf_model`), and a bare keep run built a KV
     # cache no plan builds (a tiny GPT-2: every keep term two block-sized tensors per layer
-    # over its plan's step).
+    # over its plan's step). `before`: called under the policy before its steps (the counting
+    # forward of a compiled profile).
     handle = apply(model, _uniform(taken, choice, pin, pin_budget, compile))
-    probe = Probe(modules, meter, backward)
+    probe: Probe | None = None
     spent = [] if spent is None else spent
     compiled = compile is not None
     try:
+        if before is not None:
+            before()
+        probe = Probe(modules, meter, backward)
         # warm-up: pinned pools, allocator, kernels. Every run, the on-device ones after keep
         # too: without it, one probed step per choice was that policy's first step, and on an
         # H200 plan_bench's mixed plans then measured up to 17% off their predicted step time
@@ -394,7 +405,8 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
                 if b is not None:
                     waits[b] = True
     finally:
-        probe.remove()
+        if probe is not None:
+            probe.remove()
         handle.remove()
     last = measured[-1]
     last.step_ms = min(s.step_ms for s in measured)
@@ -526,44 +538,57 @@ def profile(
     with _restored(model), _quiet(), timing.counting(model):
         model.train()
         with torch.enable_grad():
-            counting = timing.begin()
-            try:
-                with _compiling(spent, compiled), _trial(model, names, compile, pin, pin_budget, apply):
-                    largest = [0] * len(blocks)
-                    sizes: list[list[int]] = [[] for _ in blocks]
-                    left["keep"] = [0] * len(blocks)
-                    held = {"keep": saved_bytes(model, blocks, args, kwargs, largest=largest, sizes=sizes,
-                                                left=None if compiled else left["keep"])}
-            except torch.cuda.OutOfMemoryError:
-                oom = True
-            else:
-                oom = False
-            if oom:
-                gc.collect()
-                torch.cuda.empty_cache()
-                raise PlanError(
-                    "the model's forward alone does not fit in GPU memory without a policy, so the "
-                    "profile cannot count what each candidate keeps; profile it with a smaller "
-                    "batch (the plan's choices scale with it), or on a GPU with more memory")
+            largest = [0] * len(blocks)
+            sizes: list[list[int]] = [[] for _ in blocks]
+            inputs: list[list[int]] = [[] for _ in blocks]  # what full keeps: each block's input
+            held: dict[str, list[int]] = {}
             # The counting forwards (one per choice that recomputes, one for selective's saved
             # ops' outputs) stay: a forward without backward is cheap (~1/3 of a step), and the
             # counts are exact where a run's peaks are not (they mix held bytes with transients).
-            inputs: list[list[int]] = [[] for _ in blocks]  # what full keeps: each block's input
-            for choice in ("full", "selective", "split"):
-                if choice in wanted:
+            counted = ("keep", *(c for c in ("full", "selective", "split") if c in wanted))
+            # Compiled, each count runs in its choice's run, under the same compiled policy
+            # (`_run`'s `before`): the run's first step then builds only the backward graph, where
+            # a handle of its own compiled the forward once more for the count. Keep is counted
+            # whatever `choices` says: apart where it is not run.
+            in_runs = tuple(c for c in counted if compiled and c in wanted)
+
+            def count(choice: str) -> None:
+                """`choice`'s counting forward, under its uniform policy applied now. Compiled,
+                its time is compiling (the forward's graph is built in it)."""
+                left[choice] = [0] * len(blocks)
+                apart = resolve_ops(DEFAULT_SAVE_OPS) if choice == "selective" else ()
+                try:
+                    with _compiling(spent, compiled):
+                        held[choice] = saved_bytes(
+                            model, blocks, args, kwargs, left=None if compiled else left[choice],
+                            kept_apart=apart, largest=largest if choice == "keep" else None,
+                            sizes=sizes if choice == "keep" else inputs if choice == "full" else None)
+                except torch.cuda.OutOfMemoryError:
+                    if choice != "keep":
+                        raise
+                    oom = True
+                else:
+                    oom = False
+                if oom:  # outside the except: the failed forward's tensors are gone
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                    raise PlanError(
+                        "the model's forward alone does not fit in GPU memory without a policy, so "
+                        "the profile cannot count what each candidate keeps; profile it with a "
+                        "smaller batch (the plan's choices scale with it), or on a GPU with more "
+                        "memory")
+
+            counting = timing.begin()
+            for choice in counted:
+                if choice not in in_runs:
                     handle = apply(model, _uniform(taken(choice), choice, pin, pin_budget, compile))
                     try:
-                        left[choice] = [0] * len(blocks)
-                        apart = resolve_ops(DEFAULT_SAVE_OPS) if choice == "selective" else ()
-                        with _compiling(spent, compiled):
-                            held[choice] = saved_bytes(model, blocks, args, kwargs,
-                                                       left=None if compiled else left[choice],
-                                                       kept_apart=apart,
-                                                       sizes=inputs if choice == "full" else None)
+                        count(choice)
                     finally:
                         handle.remove()
-            # Eager, its inputs (counted above) and its saved ops' outputs, which bypass the
-            # hooks; compiled, the graph saves those outputs itself and the hooks counted them.
+            # Eager, selective keeps its inputs (counted above) and its saved ops' outputs,
+            # which bypass the hooks; compiled, the graph saves those outputs itself and the
+            # hooks counted them.
             if "selective" in wanted and not compiled:
                 outputs = saved_bytes(model, blocks, args, kwargs, save_ops=resolve_ops(DEFAULT_SAVE_OPS))
                 held["selective"] = [s + o for s, o in zip(held["selective"], outputs)]
@@ -576,6 +601,7 @@ def profile(
                 if offloading else contextlib.nullcontext()
             bandwidth: tuple[float, float] | None = None
             judged = choices is None  # choices named by the caller are all run
+            prepared_after = "full" if compiled and "full" in wanted else "keep"
             with pooling as pool:
                 for choice in wanted:
                     if choice == "offload" and judged and "full_offload" in runs \
@@ -585,6 +611,11 @@ def profile(
                             "measured step of full_offload, which holds no more; not a choice")
                         continue
                     warmed = _Warmed(counter=lambda: timing.calls)
+
+                    def counted_first(choice: str = choice) -> None:
+                        calls = timing.calls
+                        count(choice)
+                        timing.move_calls(choice, "counts", timing.calls - calls)
                     try:
                         # On the host loopback an offload's "host" copies are CPU tensors too, but
                         # they go into the engine's pool buffers, made before the meter starts (on
@@ -598,7 +629,7 @@ def profile(
                             runs[choice] = _run(model, blocks, names, choice, args, kwargs, loss,
                                                 apply, meter, steps, pin, pin_budget, taken(choice),
                                                 compile, spent, warmed, outputs_held, strict,
-                                                backward)
+                                                backward, counted_first if choice in in_runs else None)
                     except torch.cuda.OutOfMemoryError:
                         if strict:
                             raise
@@ -608,14 +639,12 @@ def profile(
                         gc.collect()
                         torch.cuda.empty_cache()
                     timing.warmed(choice, warmed)
-                    if choice != "keep":
-                        continue
-                    if device.type == "cuda" and offloading:
+                    if choice == "keep" and device.type == "cuda" and offloading:
                         # Before the runs after keep: whether the offload run is worth its host
                         # memory is judged from it (`_offload_outrun`).
                         with timing.timed("copy_bandwidth"):
                             bandwidth = copy_bandwidth()
-                    if pool is not None:
+                    if pool is not None and choice == prepared_after:
                         # What the offload runs will copy, made on the pool's thread while the
                         # runs between compute (their steps wait on the GPU, with the GIL
                         # released): made in their first step, on demand and as spares, pinning
@@ -625,7 +654,8 @@ def profile(
                         # block inputs are among them. Only those inputs where the offload run
                         # will be left out: pinning what no run copies was most of the host
                         # pool's part of a profile (an H200 GPT-2: 4-8.5 s of 11.9). Compiled
-                        # too: the counts ran compiled, so these are the graphs' storages.
+                        # too: the counts ran compiled, so these are the graphs' storages; the
+                        # block inputs are known after full's run then (its count is in it).
                         outrun = "offload" not in wanted or (
                             judged and "full_offload" in wanted
                             and _offload_outrun(runs, sizes, bandwidth, strict))
@@ -661,18 +691,6 @@ def profile(
         profiled, compiled=f"{compile.scope} with {compile.backend}" if compile else "",
         compile_ms=compile_ms, profile_ms=max(0.0, total_ms - compile_ms),
         parts_ms=timing.result(total_ms, compile_ms), parts_steps=timing.step_counts())
-
-
-@contextlib.contextmanager
-def _trial(model: nn.Module, names: Sequence[str], compile: Compile | None, pin: bool,
-           pin_budget: int | None, apply: Apply) -> Iterator[None]:
-    """The plain model for the keep count, with a `mode: none` rule (compiled with `compile`):
-    as the plan runs it (a Hugging Face model's `use_cache` off, see `_run`)."""
-    handle = apply(model, _uniform(names, "keep", pin, pin_budget, compile))
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 def measure_steps(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None,

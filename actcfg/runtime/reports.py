@@ -168,7 +168,8 @@ class CompileReport:
         return {"scope": self.scope, "backend": self.backend, "modules": list(self.modules)}
 
 
-_PART_LABELS = {"warm_ups": "warm-ups", "host_pool": "host pool", "copy_bandwidth": "copy bandwidth"}
+_PART_LABELS = {"warm_ups": "warm-ups", "host_pool": "host pool", "copy_bandwidth": "copy bandwidth",
+                "measured_whole": "measured whole"}
 """How the planning parts that are not choices read in a line (a choice keeps its name)."""
 
 
@@ -256,6 +257,8 @@ class PlanReport:
             "plain": {"step_time_ms": self.plain_step_time_ms, "peak": self.plain_peak},
             "planning": {"profile_ms": self.profile_ms, "compile_ms": self.compile_ms,
                          "compiled": self.compiled, "parts_ms": dict(self.parts_ms),
-                         "parts_steps": dict(self.parts_steps), "solve_ms": self.solve_ms},
+                         # only where counted (a plan made by `plan_model`, not from a saved profile)
+                         **({"parts_steps": dict(self.parts_steps)} if self.parts_steps else {}),
+                         "solve_ms": self.solve_ms},
             "plan": self.policy_yaml,
         }

@@ -9,6 +9,8 @@ byte counts tell a compiled profile from an eager one. CUDA (inductor) at the en
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -158,7 +160,8 @@ def _eager_profile():
 def test_a_whole_model_plan_measured_over_its_budget_is_solved_again_below_what_its_prediction_missed():
     """`_measured_whole` (CUDA only in use) with the measurement given: the first plan reads
     one byte over the budget, the next is solved below the budget by that miss, and with the
-    same miss it fits; its peak is the measured one and the check's time counts as compiling."""
+    same miss it fits; its peak is the measured one. Its two steps per plan are planning (here
+    1 ms each, as measured), the rest of its time compiling."""
     from actcfg.plan import _measured_whole
 
     model, prof, first = _eager_profile()
@@ -166,16 +169,20 @@ def test_a_whole_model_plan_measured_over_its_budget_is_solved_again_below_what_
     miss = budget - first.peak + 1  # the first plan measures one byte over the budget
     seen: list[dict[str, str]] = []
 
-    def measured(rules) -> int:
+    def measured(rules) -> tuple[float, int]:
         seen.append({m: r.mode for r in rules.checkpoint.rules for m in r.modules})
         plan = first if len(seen) == 1 else solve(prof, first.peak - 1)
-        return plan.peak + miss
+        time.sleep(0.005)  # longer than its two steps at 1 ms
+        return 1.0, plan.peak + miss
 
     plan, after = _measured_whole(model, load(policy("model", str(budget))), prof, first, measured)
     assert len(seen) == 2 and seen[0] != seen[1]  # a different plan, each measured once
     assert plan.choices != first.choices and plan.budget == budget
     assert plan.peak == solve(prof, first.peak - 1).peak + miss <= budget
-    assert after.compile_ms >= prof.compile_ms
+    assert after.compile_ms > prof.compile_ms
+    assert after.parts_steps == {**prof.parts_steps, "measured_whole": 4}
+    assert after.parts_ms["measured_whole"] == 4.0 and list(after.parts_ms)[-2:] == ["measured_whole", "rest"]
+    assert after.profile_ms == pytest.approx(prof.profile_ms + 4.0)
 
 
 def test_a_whole_model_plan_that_never_fits_is_refused_saying_so():
@@ -184,9 +191,9 @@ def test_a_whole_model_plan_that_never_fits_is_refused_saying_so():
     model, prof, first = _eager_profile()
     calls: list[int] = []
 
-    def measured(rules) -> int:
+    def measured(rules) -> tuple[float, int]:
         calls.append(1)
-        return first.budget + 2**20  # every plan a MiB over
+        return 1.0, first.budget + 2**20  # every plan a MiB over
     with pytest.raises(PlanError, match=r"compile: \{scope: model\}: "):
         _measured_whole(model, load(policy("model", str(first.budget))), prof, first, measured)
     assert 1 <= len(calls) <= 3
