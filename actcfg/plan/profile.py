@@ -319,6 +319,10 @@ def _compiling(spent: list[float], compiled: bool) -> Iterator[None]:
 SETTLED = 0.02
 """Probed steps within this fraction of each other have settled: one unprobed step scales them."""
 
+PROBE_CHEAP = 0.02
+"""On CUDA, where keep's probed step is within this fraction of its unprobed one, the probe's
+cost is negligible: the runs after keep take keep's scale instead of an unprobed step each."""
+
 
 def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], choice: str,
          args: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor],
@@ -326,14 +330,17 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
          pin_budget: int | None, taken: Sequence[str], compile: Compile | None = None,
          spent: list[float] | None = None, warmed: _Warmed | None = None,
          outputs_held: bool = True, strict: bool = False, backward: Backward = Backward(),
-         before: Callable[[], None] | None = None) -> Run:
+         before: Callable[[], None] | None = None, probe_scale: float | None = None,
+         scales: dict[str, float] | None = None) -> Run:
     # `taken`: the modules the choice's rule names (the blocks, or their parts for `split` and
     # `split_offload`); the probe and the byte counts stay on the blocks either way. Keep too
     # runs as applied (a `mode: none` rule), as the plan will: applying any policy turns a
     # Hugging Face model's `use_cache` off (`prepare_hf_model`), and a bare keep run built a KV
     # cache no plan builds (a tiny GPT-2: every keep term two block-sized tensors per layer
     # over its plan's step). `before`: called under the policy before its steps (the counting
-    # forward of a compiled profile).
+    # forward of a compiled profile). `probe_scale`: what scales the probed times, given
+    # (keep's, where the probe costs next to nothing: `PROBE_CHEAP`), so no unprobed step is
+    # run; else the scale the unprobed step measured goes to `scales[choice]`.
     handle = apply(model, _uniform(taken, choice, pin, pin_budget, compile))
     probe: Probe | None = None
     spent = [] if spent is None else spent
@@ -384,7 +391,9 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
             return measure_steps(model, kwargs if kwargs else tuple(args), loss_fn=loss_fn,
                                  steps=1 if settled else steps, count=meter.memory, warm=True,
                                  outputs_held=outputs_held, backward=backward)[0]
-        if compiled:
+        if probe_scale is not None:
+            unprobed = 0.0
+        elif compiled:
             unprobed, _ = _steady(unprobed_steps, spent, warmed)
         else:
             unprobed = unprobed_steps()
@@ -410,8 +419,12 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
         handle.remove()
     last = measured[-1]
     last.step_ms = min(s.step_ms for s in measured)
-    if last.step_ms > 0 and unprobed > 0:
+    scale = probe_scale
+    if scale is None and last.step_ms > 0 and unprobed > 0:
         scale = min(1.0, unprobed / last.step_ms)  # the probe only ever adds time
+        if scales is not None:
+            scales[choice] = scale
+    if scale is not None:
         last.forward_ms = [t * scale for t in last.forward_ms]
         last.backward_ms = [t * scale for t in last.backward_ms]
         last.forward_after_ms *= scale
@@ -505,7 +518,8 @@ def profile(
     several ranks, whose steps must match one for one: `actcfg.plan.sharded`). `outputs_held`:
     whether the training loop holds the model's outputs through backward (a Trainer that
     keeps only the loss does not: see `Probe.step`). `steps`: probed steps per choice, each
-    followed by as many unprobed ones (one where the probed ones settled: `SETTLED`). One by
+    followed by as many unprobed ones (one where the probed ones settled: `SETTLED`; none after
+    keep's on CUDA where the probe cost keep under `PROBE_CHEAP`). One by
     default: a plan should cost no more than 20 plain steps (issue 18), and the memory a probed
     step reads is the same in the next; its time is the unprobed step's, whose noise on an
     H200 is about 1%. Without `choices`, the offload run is left out where it cannot be chosen
@@ -602,6 +616,18 @@ def profile(
             bandwidth: tuple[float, float] | None = None
             judged = choices is None  # choices named by the caller are all run
             prepared_after = "full" if compiled and "full" in wanted else "keep"
+            # Each run's unprobed step takes the probe's own cost out of its times. The probe is
+            # the same hooks on the same blocks whatever the choice, and no choice's step is
+            # shorter than keep's, so where it cost keep under PROBE_CHEAP it costs every run at
+            # most that: keep's scale stands for theirs (on CUDA, whose events time it; not on
+            # several ranks, which must run the same steps).
+            scales: dict[str, float] = {}
+
+            def probe_scale(choice: str) -> float | None:
+                keep_scale = scales.get("keep")
+                if choice == "keep" or keep_scale is None or device.type != "cuda" or strict:
+                    return None
+                return keep_scale if keep_scale >= 1 - PROBE_CHEAP else None
             with pooling as pool:
                 for choice in wanted:
                     if choice == "offload" and judged and "full_offload" in runs \
@@ -629,7 +655,8 @@ def profile(
                             runs[choice] = _run(model, blocks, names, choice, args, kwargs, loss,
                                                 apply, meter, steps, pin, pin_budget, taken(choice),
                                                 compile, spent, warmed, outputs_held, strict,
-                                                backward, counted_first if choice in in_runs else None)
+                                                backward, counted_first if choice in in_runs else None,
+                                                probe_scale(choice), scales)
                     except torch.cuda.OutOfMemoryError:
                         if strict:
                             raise

@@ -278,6 +278,14 @@ def test_on_the_gpu_a_compiled_plan_fits_its_budget_with_plain_gradients(scope):
     with actcfg.apply(model, {**spec, "memory_budget": budget}, inputs=x, loss_fn=loss) as handle:
         assert handle.plan.compiled == f"{scope} with inductor" and handle.plan.compile_ms > 0
         assert handle.plan.predicted_peak <= budget
+        # Steps by part: per run its count (keep, selective, full), at least one step that
+        # compiles (inductor may autotune in a later one), the probed step and, where the probe
+        # cost keep more than PROBE_CHEAP, an unprobed one (keep always runs it).
+        calls = handle.plan.parts_steps
+        runs = [c for c in calls if c not in ("counts", "warm_ups", "measured_whole")]
+        assert calls["counts"] == 3 and calls["keep"] == 2, calls
+        assert all(calls[c] in (1, 2) for c in runs) and calls["warm_ups"] >= len(runs), calls
+        assert ("measured_whole" in calls) == (scope == "model")  # two steps per plan measured whole
         _, peak = measure_steps(model, x, loss_fn=loss)
         assert peak <= budget, (peak, budget, handle.plan.summary())
         model.zero_grad(set_to_none=True)

@@ -213,6 +213,52 @@ def test_one_unprobed_step_where_the_probed_ones_settled_but_never_across_ranks(
     assert unprobed == ([2, 2] if strict else [1, 1])
 
 
+def test_a_run_given_keeps_scale_runs_no_unprobed_step_and_one_not_given_reports_its_own(monkeypatch):
+    """`probe_scale` (on CUDA, keep's where the probe cost it under PROBE_CHEAP): the run's
+    probed times are scaled by it, with no unprobed step; without it, the unprobed step's scale
+    goes to `scales`, as keep's does for the runs after it."""
+    from actcfg.plan import profile as profiling
+    from actcfg.plan.probe import Meter
+
+    unprobed: list[int] = []
+    real = profiling.measure_steps
+
+    def counted(*args, **kwargs):
+        unprobed.append(kwargs["steps"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(profiling, "measure_steps", counted)
+    probed: list[Any] = []
+    real_step = profiling.Probe.step
+
+    def step(self, *args, **kwargs):
+        reading = real_step(self, *args, **kwargs)
+        probed.append((reading, reading.step_ms, list(reading.forward_ms)))
+        return reading
+
+    monkeypatch.setattr(profiling.Probe, "step", step)
+    model, x = chain(2)
+    modules = [model.layers[0], model.layers[1]]
+    names = ["layers.0", "layers.1"]
+    loss = lambda out: out.float().pow(2).mean()  # noqa: E731
+
+    def run(choice: str, **kwargs: Any) -> Any:
+        probed.clear()
+        return profiling._run(model, modules, names, choice, (x,), {}, loss, apply,
+                              Meter(torch.device("cpu")), 1, True, None, names, **kwargs)
+
+    scales: dict[str, float] = {}
+    run("keep", scales=scales)
+    assert unprobed == [1] and set(scales) == {"keep"} and 0 < scales["keep"] <= 1
+    got = run("full", probe_scale=0.5, scales=scales)
+    assert unprobed == [1] and set(scales) == {"keep"}  # no unprobed step, nothing reported
+    assert len(probed) == 2  # a warm-up and the probed step
+    read, step_ms, forward_ms = probed[-1]  # the reading the run returned, scaled in place
+    assert got.step is read and step_ms > 0
+    assert got.step.step_ms == pytest.approx(0.5 * step_ms)
+    assert got.step.forward_ms == pytest.approx([0.5 * t for t in forward_ms])
+
+
 def test_each_choice_runs_a_warm_up_and_one_probed_step_by_default(loopback, monkeypatch):
     """Probed steps per choice: one by default (planning time, issue 18), after a warm-up step
     that every run takes (its policy's first step is not what it measures)."""
