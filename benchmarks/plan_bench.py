@@ -94,6 +94,8 @@ class Row:
     policy_yaml: str = ""
     planning_s: float | None = None  # a compiled plan's profile, its compiles excluded
     compiling_s: float | None = None  # the time that profile spent compiling
+    planning_parts_ms: dict[str, float] = field(default_factory=dict)  # planning_s by part (`parts_ms`)
+    planning_steps: dict[str, int] = field(default_factory=dict)  # model calls by part (`parts_steps`)
 
 
 @dataclass
@@ -435,13 +437,16 @@ def compiled_plan_row(w: Workload, model: nn.Module, inputs: Any, point: Row, sc
         row.max_inflight, row.kept_at_turn = plan.max_inflight, plan.kept_at_turn
         row.policy_yaml = plan.policy_yaml
         row.planning_s, row.compiling_s = plan.profile_ms / 1000, plan.compile_ms / 1000
+        row.planning_parts_ms, row.planning_steps = dict(plan.parts_ms), dict(plan.parts_steps)
         return handle
 
     row = run(w, model, inputs, row, setup, steps, ref, bw)
     torch._dynamo.reset()
     print(f"{w.name}: {row.variant:48s} {row.step_ms:8.1f} ms  peak {row.peak / GiB:6.3f} GiB "
           f"(budget {point.peak / GiB:.3f}; planned in {row.planning_s or 0:.1f} s + "
-          f"{row.compiling_s or 0:.1f} s compiling)  {row.skipped or row.proof}", flush=True)
+          f"{row.compiling_s or 0:.1f} s compiling; model calls by part {row.planning_steps}; "
+          f"planning by part {({k: round(v) for k, v in row.planning_parts_ms.items()})} ms)  "
+          f"{row.skipped or row.proof}", flush=True)
     return row
 
 
@@ -505,6 +510,19 @@ def targets(rows: list[Row], workloads: list[str], meta: dict | None = None) -> 
                    f"{cp.planning_s:.1f} s + {cp.compiling_s:.1f} s compiling)",
                 f"{cp.step_ms:.1f} vs {point.step_ms:.1f} ms, {cp.peak / GiB:.3f} / {point.peak / GiB:.3f} GiB",
                 cp.proof == "ok" and cp.peak <= point.peak and cp.step_ms < point.step_ms)
+            for what, got, want in (("step time", cp.step_ms, cp.predicted_step_ms),
+                                    ("peak", cp.peak, cp.predicted_peak)):
+                err = (want - got) / got if got and want is not None else float("nan")
+                add(w, f"{cp.variant}: predicted {what} within 5%", f"{err:+.1%}", abs(err) <= 0.05)
+            # Issue 18: a plan costs no more than 20 steps of the plain (eager) model, compile
+            # excluded; the model calls by part say what ran (counting forwards under counts).
+            plain = next((r for r in rows if r.workload == w and r.kind == "plain"), None)
+            if plain is not None and plain.step_ms and cp.planning_s is not None:
+                ratio = cp.planning_s * 1000 / plain.step_ms
+                calls = ", ".join(f"{k} {n}" for k, n in cp.planning_steps.items())
+                add(w, f"{cp.variant}: planning, compiles excluded, <= 20 plain steps of {plain.step_ms:.1f} ms"
+                       + (f" (model calls: {calls})" if calls else ""),
+                    f"{ratio:.1f} steps ({cp.planning_s:.2f} s)", ratio <= 20)
         everything = next((r for r in rows if r.workload == w and r.variant == "offload everything"
                            and not r.skipped), None)
         halfway = next((p for p in plans if p.variant.startswith("plan at halfway") and not p.skipped), None)

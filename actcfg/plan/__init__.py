@@ -137,6 +137,7 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
     grads = _gradient_bytes(model) if accumulating or grads_through_forward else 0
     profiled = dataclasses.replace(profiled, compiled=local.compiled, profile_ms=local.profile_ms,
                                    compile_ms=local.compile_ms, parts_ms=local.parts_ms,
+                                   parts_steps=local.parts_steps,
                                    accumulated_grads=grads if accumulating else 0,
                                    forward_grads=0 if accumulating else grads)
     if profiled.forward_grads:  # plain's peak as the plan's, with them (a uniform run: exact)
@@ -144,10 +145,10 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
             profiled, plain_peak=predict(profiled, ("keep",) * len(profiled.blocks))[1])
     plan = solve(profiled, policy.memory_budget)
     if policy.compile is not None and policy.compile.scope == "model" and profiled.device == "cuda":
-        def measured(planned: Policy) -> int:
+        def measured(planned: Policy) -> tuple[float, int]:
             handle = apply(model, planned)
             try:
-                return measure_steps(model, inputs, loss_fn=checked, steps=1, outputs_held=outputs_held)[1]
+                return measure_steps(model, inputs, loss_fn=checked, steps=1, outputs_held=outputs_held)
             finally:
                 handle.remove()
         plan, profiled = _measured_whole(model, policy, profiled, plan, measured)
@@ -155,7 +156,9 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
     text = policy_yaml(planned, plan, profiled, origin=origin)
     agree(text)
     _refuse_inexact(model, planned, plan)
-    return Planned(planned, plan.report(profiled, text), profiled, plan)
+    # `parts_steps` is set here, not in `Plan.report` (solve's), which reads the profile's times
+    report = dataclasses.replace(plan.report(profiled, text), parts_steps=dict(profiled.parts_steps))
+    return Planned(planned, report, profiled, plan)
 
 
 WHOLE_TRIES = 3
@@ -163,18 +166,19 @@ WHOLE_TRIES = 3
 
 
 def _measured_whole(model: Any, policy: Policy, profiled: Profile, plan: Plan,
-                    measured: Callable[[Policy], int]) -> tuple[Plan, Profile]:
+                    measured: Callable[[Policy], tuple[float, int]]) -> tuple[Plan, Profile]:
     """`compile: {scope: model}`: the plan measured as it will run, compiled whole
-    (`measured(rules)`: its peak above a step's start), and solved again below the budget by
-    what its prediction missed.
+    (`measured(rules)`: one step's ms and its peak above the step's start, after a step that
+    compiles), and solved again below the budget by what its prediction missed.
 
     The profile reads each block's bytes with hooks that break the compiled graph at the blocks;
     the whole graph of a mix of choices is partitioned differently by inductor (on an H200, the
     blocks stack at torch.compile's `activation_memory_budget` 0.1 point: 7 selective and 1 full
     measured 5.329 GiB whole against 5.007 predicted, over a 5.221 GiB budget). Solved again at
     the budget less that miss, the plan just measured no longer fits and the next is one the
-    same miss would still leave within the budget. One compile and two steps per plan measured,
-    counted with the compiles (`compile_ms`); the plan's peak is then the measured one. In a
+    same miss would still leave within the budget. One compile and two steps per plan measured:
+    the two steps' time is planning (`parts_ms` and `parts_steps` under `measured_whole`), the
+    rest compiling (`compile_ms`); the plan's peak is then the measured one. In a
     trainer whose gradients live across the step (`forward_grads`, `accumulated_grads`) the
     measured step starts without them: they are added to what it measured, which bounds the
     step from above. On CUDA only, where a step's peak is the allocator's and the profile's own
@@ -184,15 +188,23 @@ def _measured_whole(model: Any, policy: Policy, profiled: Profile, plan: Plan,
     from actcfg.errors import PlanError
     from actcfg.units import memory_size
 
-    budget, spent, peak = policy.memory_budget, 0.0, 0
+    budget, spent, stepped, peak = policy.memory_budget, 0.0, 0.0, 0
+    tries = 0
     for _ in range(WHOLE_TRIES):
         rules = plan_policy(plan, policy)
         _refuse_inexact(model, rules, plan)  # its sentence, before apply's about a rule never written
         started = time.perf_counter()
+        tries += 1
+        step_ms = 0.0
         try:
-            peak = measured(rules) + profiled.forward_grads + profiled.accumulated_grads
+            step_ms, peak = measured(rules)
+            peak += profiled.forward_grads + profiled.accumulated_grads
         finally:
-            spent += (time.perf_counter() - started) * 1000.0
+            wall = (time.perf_counter() - started) * 1000.0
+            # the warm-up step's run and the measured step, at the measured step's time
+            ran = min(wall, 2 * step_ms)
+            spent += wall - ran
+            stepped += ran
         if peak <= policy.memory_budget:
             plan = dataclasses.replace(plan, peak=peak)
             break
@@ -211,7 +223,12 @@ def _measured_whole(model: Any, policy: Policy, profiled: Profile, plan: Plan,
             f"compile: {{scope: model}}: {WHOLE_TRIES} plans measured compiled whole all went over memory_budget "
             f"{memory_size(policy.memory_budget)} (the last {memory_size(peak)}); raise memory_budget, or use "
             "compile: {scope: blocks}, whose profile is what runs")
-    return plan, dataclasses.replace(profiled, compile_ms=profiled.compile_ms + spent)
+    parts = {k: v for k, v in profiled.parts_ms.items() if k != "rest"}
+    parts["measured_whole"] = stepped
+    parts["rest"] = profiled.parts_ms.get("rest", 0.0)
+    return plan, dataclasses.replace(
+        profiled, compile_ms=profiled.compile_ms + spent, profile_ms=profiled.profile_ms + stepped,
+        parts_ms=parts, parts_steps={**profiled.parts_steps, "measured_whole": 2 * tries})
 
 
 def _refuse_frozen(model: Any) -> None:

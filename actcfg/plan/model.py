@@ -218,6 +218,11 @@ class Profile:
     steps, removing it), `warm_ups` (every run's first step), `host_pool` (host buffers made and
     pinned on the runs' critical path, and unpinned at the end), `copy_bandwidth` and `rest`.
     Compiling is in `compile_ms`, not here."""
+    parts_steps: dict[str, int] = field(default_factory=dict)
+    """How many times each part of `parts_ms` called the model: under `counts` a forward alone
+    (a third of a step or so), elsewhere a training step's forward (its backward follows).
+    `warm_ups` counts every step a run took before the steps it read (compiled: each step that
+    compiled, whose time beyond a steady step is in `compile_ms`)."""
 
     def copy_ms(self, nbytes: int, to_host: bool) -> float:
         """Milliseconds one copy of `nbytes` takes at the profiled bandwidth."""

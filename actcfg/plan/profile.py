@@ -51,7 +51,6 @@ from torch import nn
 from actcfg.runtime.torch_applier import resolve_ops
 from actcfg.runtime.wrap import select_modules
 from actcfg.errors import ActcfgError, PlanError
-from actcfg.runtime.compiling import warm_up
 from actcfg.runtime.offload import MIN_OFFLOAD_BYTES, WINDOW_STORAGES, OffloadWarning, loopback_enabled
 from actcfg.runtime.offload_pool import HostPool, shared_host_pool
 from actcfg.plan.cost import Run, assemble
@@ -139,14 +138,62 @@ def _graphs_built() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def _compile_events() -> tuple[int, int]:
+    """What torch.compile has done so far in this process: the graphs dynamo built, and the
+    phases it timed (`dynamo_timed`: tracing, AOTAutograd, a backward compiled lazily at its
+    first call, which builds no new graph, inductor's autotuning at a kernel's first launch).
+    A step that changes neither compiled nothing: it ran what was built."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return _graphs_built(), sum(len(v) for v in compilation_time_metrics.values())
+
+
+STEADY_MOST = 8
+"""At most this many calls of a compiled run until one compiles nothing (dynamo's own
+recompile limit is 8 per frame); the last is then taken as steady all the same."""
+
+
+def _steady(step: Callable[[], Any], spent: list[float], warmed: _Warmed | None = None) -> tuple[Any, float]:
+    """Call `step` until a call compiles nothing (`_compile_events`), and return that call's
+    result and wall ms: the compiled run's steady state, ready to be read. Each call before it
+    compiled; of its wall time, what it took beyond the steady call is compile time (added to
+    `spent`), and the steady call's time is a step's, the planning's (in `warmed`, when given,
+    as a warm-up). A step after the last one that compiled runs the same graphs, so it needs no
+    comparison with the one before: where `warm_up` ran at least two steps to see the time stop
+    falling, one compiling step and the steady one read are two, where they were three."""
+    walls: list[float] = []
+    while True:
+        before = _compile_events()
+        start = time.perf_counter()
+        out = step()
+        wall = (time.perf_counter() - start) * 1000.0
+        if _compile_events() == before or len(walls) + 1 >= STEADY_MOST:
+            break
+        walls.append(wall)
+    steady = min([wall, *walls])
+    compiling = sum(w - steady for w in walls)
+    spent.append(compiling)
+    if warmed is not None:
+        warmed.wall_ms += sum(walls)
+        warmed.compile_ms += compiling
+        warmed.calls += len(walls)
+    return out, wall
+
+
 @dataclasses.dataclass
 class _Warmed:
-    """A uniform run's warm-up step: its wall time, and what of it was compiling and growing the
-    host pool (reported as parts of their own)."""
+    """A uniform run's warm-up steps: their wall time, and what of it was compiling and growing
+    the host pool (reported as parts of their own). `steady_ms`: a step inside the warm-up's
+    span that is read, not warm-up (compiled, the first steady probed step: `_steady`)."""
 
     wall_ms: float = 0.0
     compile_ms: float = 0.0
     pool_ms: float = 0.0
+    steady_ms: float = 0.0
+    calls: int = 0
+    """Model calls (steps) of the warm-up, the steady one read left out."""
+    counter: Callable[[], int] = lambda: 0
+    """The model calls so far (`_Timing.calls`)."""
 
     @property
     def rest_ms(self) -> float:
@@ -154,25 +201,29 @@ class _Warmed:
 
 
 @contextlib.contextmanager
-def _warming(warmed: _Warmed | None, spent: list[float], handle: Any) -> Iterator[None]:
-    """Fills `warmed` with the wall time inside (which ends in a step's own synchronize)."""
+def _warming(warmed: _Warmed | None, spent: list[float], handle: Any) -> Iterator[_Warmed]:
+    """Fills `warmed` with the wall time inside (which ends in a step's own synchronize), less
+    the `steady_ms` set inside."""
     if warmed is None:
-        yield
+        yield _Warmed()
         return
     engine = getattr(handle, "engine", None)
     waited = engine.stats.host_wait_s if engine is not None else 0.0
     compiled = sum(spent)
+    calls = warmed.counter()
     start = time.perf_counter()
     try:
-        yield
+        yield warmed
     finally:
-        warmed.wall_ms = (time.perf_counter() - start) * 1000.0
+        warmed.wall_ms = (time.perf_counter() - start) * 1000.0 - warmed.steady_ms
+        warmed.calls = warmed.counter() - calls - (1 if warmed.steady_ms else 0)
         warmed.compile_ms = sum(spent) - compiled
         warmed.pool_ms = (engine.stats.host_wait_s - waited) * 1000.0 if engine is not None else 0.0
 
 
 class _Timing:
-    """The profile's wall time by part (ms), its compiles left out (see `Profile.parts_ms`).
+    """The profile's wall time by part (ms), its compiles left out (see `Profile.parts_ms`), and
+    the model calls each part made (`Profile.parts_steps`, counted by `counting`).
 
     Timed with `time.perf_counter` around parts that end in a synchronize of their own (a step's
     end, a copy measurement, the pool's close): no part adds one. Growing the host pool happens
@@ -181,24 +232,41 @@ class _Timing:
 
     def __init__(self, spent: list[float]) -> None:
         self.ms: dict[str, float] = {}
+        self.steps: dict[str, int] = {}
+        self.calls = 0
         self._spent = spent
 
-    def add(self, name: str, ms: float) -> None:
+    @contextlib.contextmanager
+    def counting(self, model: nn.Module) -> Iterator[None]:
+        """Count the model's calls (each a training step's forward, or a counting forward)."""
+        def called(module: nn.Module, args: Any) -> None:
+            self.calls += 1
+        hook = model.register_forward_pre_hook(called)
+        try:
+            yield
+        finally:
+            hook.remove()
+
+    def add(self, name: str, ms: float, calls: int = 0) -> None:
         self.ms[name] = self.ms.get(name, 0.0) + ms
+        if calls:
+            self.steps[name] = self.steps.get(name, 0) + calls
 
-    def begin(self) -> tuple[float, float]:
+    def begin(self) -> tuple[float, float, int]:
         """A mark for `end` (for a part that spans several statements)."""
-        return time.perf_counter(), sum(self._spent)
+        return time.perf_counter(), sum(self._spent), self.calls
 
-    def end(self, name: str, mark: tuple[float, float]) -> None:
+    def end(self, name: str, mark: tuple[float, float, int]) -> None:
         """Add the wall time since `mark` to `name`, less what was compiled meanwhile."""
-        start, compiled = mark
-        self.add(name, (time.perf_counter() - start) * 1000.0 - (sum(self._spent) - compiled))
+        start, compiled, calls = mark
+        self.add(name, (time.perf_counter() - start) * 1000.0 - (sum(self._spent) - compiled),
+                 self.calls - calls)
 
     @contextlib.contextmanager
     def timed(self, name: str, pool: HostPool | None = None) -> Iterator[None]:
         compiled = sum(self._spent)
         waited = pool.stats.host_wait_s if pool is not None else 0.0
+        calls = self.calls
         start = time.perf_counter()
         try:
             yield
@@ -207,12 +275,15 @@ class _Timing:
             grown = (pool.stats.host_wait_s - waited) * 1000.0 if pool is not None else 0.0
             if grown:
                 self.add("host_pool", grown)
-            self.add(name, wall - (sum(self._spent) - compiled) - grown)
+            self.add(name, wall - (sum(self._spent) - compiled) - grown, self.calls - calls)
 
     def warmed(self, name: str, warmed: _Warmed) -> None:
-        """Move a run's warm-up step (less its compiling and pool growth) to `warm_ups`."""
+        """Move a run's warm-up steps (less their compiling and pool growth) to `warm_ups`."""
         self.ms[name] = self.ms.get(name, 0.0) - warmed.rest_ms
         self.add("warm_ups", warmed.rest_ms)
+        if warmed.calls:
+            self.steps[name] = self.steps.get(name, 0) - warmed.calls
+            self.steps["warm_ups"] = self.steps.get("warm_ups", 0) + warmed.calls
 
     def result(self, total_ms: float, compile_ms: float) -> dict[str, float]:
         """The parts in the report's order, with `rest` what none of them timed."""
@@ -220,6 +291,17 @@ class _Timing:
         out = {k: max(0.0, self.ms[k]) for k in order if k in self.ms}
         out["rest"] = max(0.0, total_ms - compile_ms - sum(out.values()))
         return out
+
+    def move_calls(self, source: str, to: str, calls: int) -> None:
+        """`calls` model calls made inside `source`'s span that are `to`'s."""
+        if calls:
+            self.steps[source] = self.steps.get(source, 0) - calls
+            self.steps[to] = self.steps.get(to, 0) + calls
+
+    def step_counts(self) -> dict[str, int]:
+        """The model calls by part, in `result`'s order."""
+        order = ["counts", *CHOICES, "warm_ups"]
+        return {k: self.steps[k] for k in order if self.steps.get(k)}
 
 
 @contextlib.contextmanager
@@ -237,56 +319,68 @@ def _compiling(spent: list[float], compiled: bool) -> Iterator[None]:
 SETTLED = 0.02
 """Probed steps within this fraction of each other have settled: one unprobed step scales them."""
 
+PROBE_CHEAP = 0.02
+"""On CUDA, where keep's probed step is within this fraction of its unprobed one, the probe's
+cost is negligible: the runs after keep take keep's scale instead of an unprobed step each."""
+
 
 def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], choice: str,
          args: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor],
          apply: Apply, meter: Meter, steps: int, pin: bool,
          pin_budget: int | None, taken: Sequence[str], compile: Compile | None = None,
          spent: list[float] | None = None, warmed: _Warmed | None = None,
-         outputs_held: bool = True, strict: bool = False, backward: Backward = Backward()) -> Run:
+         outputs_held: bool = True, strict: bool = False, backward: Backward = Backward(),
+         before: Callable[[], None] | None = None, probe_scale: float | None = None,
+         scales: dict[str, float] | None = None) -> Run:
     # `taken`: the modules the choice's rule names (the blocks, or their parts for `split` and
     # `split_offload`); the probe and the byte counts stay on the blocks either way. Keep too
     # runs as applied (a `mode: none` rule), as the plan will: applying any policy turns a
     # Hugging Face model's `use_cache` off (`prepare_hf_model`), and a bare keep run built a KV
     # cache no plan builds (a tiny GPT-2: every keep term two block-sized tensors per layer
-    # over its plan's step).
+    # over its plan's step). `before`: called under the policy before its steps (the counting
+    # forward of a compiled profile). `probe_scale`: what scales the probed times, given
+    # (keep's, where the probe costs next to nothing: `PROBE_CHEAP`), so no unprobed step is
+    # run; else the scale the unprobed step measured goes to `scales[choice]`.
     handle = apply(model, _uniform(taken, choice, pin, pin_budget, compile))
-    probe = Probe(modules, meter, backward)
+    probe: Probe | None = None
     spent = [] if spent is None else spent
     compiled = compile is not None
     try:
-        # warm-up: pinned pools, allocator, kernels; compiled, until the graphs are all built.
-        # Every run, the on-device ones after keep too: without it, one probed step per choice
-        # was that policy's first step, and on an H200 plan_bench's mixed plans then measured
-        # up to 17% off their predicted step time (within 5% with it).
-        with _warming(warmed, spent, handle):
+        if before is not None:
+            before()
+        probe = Probe(modules, meter, backward)
+        # warm-up: pinned pools, allocator, kernels. Every run, the on-device ones after keep
+        # too: without it, one probed step per choice was that policy's first step, and on an
+        # H200 plan_bench's mixed plans then measured up to 17% off their predicted step time
+        # (within 5% with it). Compiled, the warm-up is the steps that compile (`_steady`): the
+        # first probed step that compiles nothing is steady, and is the one read.
+        with _warming(warmed, spent, handle) as steady:
             if compiled:
-                spent.append(warm_up(lambda: probe.step(model, args, kwargs, loss_fn, outputs_held)))
+                first, steady.steady_ms = _steady(
+                    lambda: probe.step(model, args, kwargs, loss_fn, outputs_held), spent)
             else:
                 probe.step(model, args, kwargs, loss_fn, outputs_held)
-        measured = [probe.step(model, args, kwargs, loss_fn, outputs_held) for _ in range(steps)]
+        measured = ([first] if compiled else []) + [
+            probe.step(model, args, kwargs, loss_fn, outputs_held)
+            for _ in range(steps - (1 if compiled else 0))]
         probe.remove()
         # The probe's per-block hooks and events cost time of their own, which dominates small
         # blocks (on an H200, 8 blocks of d_model 1024 timed 27 ms probed, 17 ms unprobed): the
-        # same steps unprobed scale every time the probe read. Compiled whole (`scope: model`),
-        # the probe's hooks break the model's graph at the blocks; without them it is one graph
-        # again, compiled here before the unprobed steps are timed (each warm-up call one step:
-        # `warm_up` itself repeats until the time settles). Per block (`scope: blocks`) the hooks
-        # run around the compiled forwards, so their removal changes no graph: no warm-up here,
-        # which was four steps or more per choice, the most of a compiled profile's time; should
-        # a graph still be built in the unprobed steps, they are warmed up and timed again below.
-        whole = compiled and compile.scope == "model"
-        if whole:
-            spent.append(warm_up(lambda: measure_steps(model, kwargs if kwargs else tuple(args),
-                                                       loss_fn=loss_fn, steps=1, warm=True,
-                                                       count=meter.memory, outputs_held=outputs_held,
-                                                       backward=backward)))
+        # same steps unprobed scale every time the probe read. Per block (`scope: blocks`) the
+        # hooks run around the compiled forwards, so their removal changes no graph: the first
+        # unprobed step is the timing. Compiled whole (`scope: model`), the probe's hooks break
+        # the model's graph at the blocks, and dynamo does not guard on module hooks
+        # (`skip_nnmodule_hook_guards`, on by default): the unprobed steps run the graphs the
+        # probed ones built (torch 2.13 on the CPU: no graph, no compile phase after the probe
+        # came off), so their time is the broken graph's too; `_measured_whole` measures the
+        # plan compiled whole. Should a step after the probe compile all the same, `_steady`
+        # counts it as compiling and times the next.
         # No warm-up step of their own: the probed steps just ran this policy on these inputs
-        # (allocator, host pool and kernels warm; compiled, `warm_up` above rebuilt the graph),
-        # and a step without the probe's hooks runs the same kernels and copies. It was one
-        # discarded step per choice: on an H200 GPT-2 (126 ms plain), ~1 s of a profile. And
-        # one unprobed step where the probed ones agreed within SETTLED: the step time has
-        # settled, and a second unprobed step would repeat the first within that noise.
+        # (allocator, host pool and kernels warm), and a step without the probe's hooks runs the
+        # same kernels and copies. It was one discarded step per choice: on an H200 GPT-2
+        # (126 ms plain), ~1 s of a profile. And one unprobed step where the probed ones agreed
+        # within SETTLED: the step time has settled, and a second unprobed step would repeat
+        # the first within that noise.
         # Not on several ranks (`strict`): this is each rank's own timing, and ranks that ran
         # different step counts would pair their sharded collectives wrongly (gloo: "Received
         # data size doesn't match expected size" in the two-rank test).
@@ -297,12 +391,11 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
             return measure_steps(model, kwargs if kwargs else tuple(args), loss_fn=loss_fn,
                                  steps=1 if settled else steps, count=meter.memory, warm=True,
                                  outputs_held=outputs_held, backward=backward)[0]
-        graphs = _graphs_built() if compiled else 0  # dynamo is not imported for an eager profile
-        started = time.perf_counter()
-        unprobed = unprobed_steps()
-        if compiled and not whole and _graphs_built() != graphs:  # it compiled: not a timing
-            spent.append((time.perf_counter() - started) * 1000.0)  # that call's time was compiling
-            spent.append(warm_up(unprobed_steps))
+        if probe_scale is not None:
+            unprobed = 0.0
+        elif compiled:
+            unprobed, _ = _steady(unprobed_steps, spent, warmed)
+        else:
             unprobed = unprobed_steps()
         moved = [0] * len(names)
         waits = [False] * len(names)
@@ -321,12 +414,17 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
                 if b is not None:
                     waits[b] = True
     finally:
-        probe.remove()
+        if probe is not None:
+            probe.remove()
         handle.remove()
     last = measured[-1]
     last.step_ms = min(s.step_ms for s in measured)
-    if last.step_ms > 0 and unprobed > 0:
+    scale = probe_scale
+    if scale is None and last.step_ms > 0 and unprobed > 0:
         scale = min(1.0, unprobed / last.step_ms)  # the probe only ever adds time
+        if scales is not None:
+            scales[choice] = scale
+    if scale is not None:
         last.forward_ms = [t * scale for t in last.forward_ms]
         last.backward_ms = [t * scale for t in last.backward_ms]
         last.forward_after_ms *= scale
@@ -350,7 +448,7 @@ measured step on every block (a margin over that step's noise)."""
 
 
 def _offload_outrun(runs: dict[str, Run], sizes: Sequence[Sequence[int]],
-                    bandwidth: tuple[float, float] | None, strict: bool, compiled: bool) -> bool:
+                    bandwidth: tuple[float, float] | None, strict: bool) -> bool:
     """True when no plan would choose `offload` for any block, so its run is left out: on every
     block, offloading what it saves takes longer than full_offload's step, even with the copies
     wholly hidden behind keep's compute at the measured bandwidth; and full_offload holds no more
@@ -365,13 +463,16 @@ def _offload_outrun(runs: dict[str, Run], sizes: Sequence[Sequence[int]],
     memory, no faster than keep.
 
     Not judged (False) without a measured bandwidth and keep run, on several ranks (each would
-    judge from its own timing, and the ranks must run the same steps: `strict`), nor compiled
-    (the sizes are eager's saved storages, not the graphs'). An H200 GPT-2 (n_embd 1536, batch
+    judge from its own timing, and the ranks must run the same steps: `strict`). Compiled, the
+    sizes are the compiled graphs' saved storages (the keep count runs compiled), which the
+    engine's hooks see as they do eager ones, and the times are the compiled runs': judged
+    alike (it was not, and the offload run, at ~3 plain steps a step on the blocks stack, was
+    a third of a compiled profile's steps there). An H200 GPT-2 (n_embd 1536, batch
     8 x 1024, bf16): about 700 MB saved per block, 14 ms each way at ~50 GB/s, against a
     full_offload block of ~13 ms: the offload run was 13 plain steps and its pinning 4-8.5 s.
     On the blocks stack (d_model 2048) offloading every block ran at 2.9x checkpointing's step."""
     keep = runs.get("keep")
-    if strict or compiled or bandwidth is None or keep is None or min(bandwidth) <= 0:
+    if strict or bandwidth is None or keep is None or min(bandwidth) <= 0:
         return False
     twin = runs.get("full_offload")
     d2h, h2d = bandwidth
@@ -417,7 +518,8 @@ def profile(
     several ranks, whose steps must match one for one: `actcfg.plan.sharded`). `outputs_held`:
     whether the training loop holds the model's outputs through backward (a Trainer that
     keeps only the loss does not: see `Probe.step`). `steps`: probed steps per choice, each
-    followed by as many unprobed ones (one where the probed ones settled: `SETTLED`). One by
+    followed by as many unprobed ones (one where the probed ones settled: `SETTLED`; none after
+    keep's on CUDA where the probe cost keep under `PROBE_CHEAP`). One by
     default: a plan should cost no more than 20 plain steps (issue 18), and the memory a probed
     step reads is the same in the next; its time is the unprobed step's, whose noise on an
     H200 is about 1%. Without `choices`, the offload run is left out where it cannot be chosen
@@ -447,47 +549,60 @@ def profile(
     timing = _Timing(spent)
     offloading = any(c in OFFLOADS for c in wanted)
     left: dict[str, list[int]] = {}  # per choice, what each block leaves alive until the turn
-    with _restored(model), _quiet():
+    with _restored(model), _quiet(), timing.counting(model):
         model.train()
         with torch.enable_grad():
-            counting = timing.begin()
-            try:
-                with _compiling(spent, compiled), _trial(model, names, compile, pin, pin_budget, apply):
-                    largest = [0] * len(blocks)
-                    sizes: list[list[int]] = [[] for _ in blocks]
-                    left["keep"] = [0] * len(blocks)
-                    held = {"keep": saved_bytes(model, blocks, args, kwargs, largest=largest, sizes=sizes,
-                                                left=None if compiled else left["keep"])}
-            except torch.cuda.OutOfMemoryError:
-                oom = True
-            else:
-                oom = False
-            if oom:
-                gc.collect()
-                torch.cuda.empty_cache()
-                raise PlanError(
-                    "the model's forward alone does not fit in GPU memory without a policy, so the "
-                    "profile cannot count what each candidate keeps; profile it with a smaller "
-                    "batch (the plan's choices scale with it), or on a GPU with more memory")
+            largest = [0] * len(blocks)
+            sizes: list[list[int]] = [[] for _ in blocks]
+            inputs: list[list[int]] = [[] for _ in blocks]  # what full keeps: each block's input
+            held: dict[str, list[int]] = {}
             # The counting forwards (one per choice that recomputes, one for selective's saved
             # ops' outputs) stay: a forward without backward is cheap (~1/3 of a step), and the
             # counts are exact where a run's peaks are not (they mix held bytes with transients).
-            inputs: list[list[int]] = [[] for _ in blocks]  # what full keeps: each block's input
-            for choice in ("full", "selective", "split"):
-                if choice in wanted:
+            counted = ("keep", *(c for c in ("full", "selective", "split") if c in wanted))
+            # Compiled, each count runs in its choice's run, under the same compiled policy
+            # (`_run`'s `before`): the run's first step then builds only the backward graph, where
+            # a handle of its own compiled the forward once more for the count. Keep is counted
+            # whatever `choices` says: apart where it is not run.
+            in_runs = tuple(c for c in counted if compiled and c in wanted)
+
+            def count(choice: str) -> None:
+                """`choice`'s counting forward, under its uniform policy applied now. Compiled,
+                its time is compiling (the forward's graph is built in it)."""
+                left[choice] = [0] * len(blocks)
+                apart = resolve_ops(DEFAULT_SAVE_OPS) if choice == "selective" else ()
+                try:
+                    with _compiling(spent, compiled):
+                        held[choice] = saved_bytes(
+                            model, blocks, args, kwargs, left=None if compiled else left[choice],
+                            kept_apart=apart, largest=largest if choice == "keep" else None,
+                            sizes=sizes if choice == "keep" else inputs if choice == "full" else None)
+                except torch.cuda.OutOfMemoryError:
+                    if choice != "keep":
+                        raise
+                    oom = True
+                else:
+                    oom = False
+                if oom:  # outside the except: the failed forward's tensors are gone
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                    raise PlanError(
+                        "the model's forward alone does not fit in GPU memory without a policy, so "
+                        "the profile cannot count what each candidate keeps; profile it with a "
+                        "smaller batch (the plan's choices scale with it), or on a GPU with more "
+                        "memory")
+
+            counting = timing.begin()
+            for choice in counted:
+                if choice not in in_runs:
                     handle = apply(model, _uniform(taken(choice), choice, pin, pin_budget, compile))
                     try:
-                        left[choice] = [0] * len(blocks)
-                        apart = resolve_ops(DEFAULT_SAVE_OPS) if choice == "selective" else ()
-                        with _compiling(spent, compiled):
-                            held[choice] = saved_bytes(model, blocks, args, kwargs,
-                                                       left=None if compiled else left[choice],
-                                                       kept_apart=apart,
-                                                       sizes=inputs if choice == "full" else None)
+                        count(choice)
                     finally:
                         handle.remove()
-            # Eager, its inputs (counted above) and its saved ops' outputs, which bypass the
-            # hooks; compiled, the graph saves those outputs itself and the hooks counted them.
+            # Eager, selective keeps its inputs (counted above) and its saved ops' outputs,
+            # which bypass the hooks; compiled, the graph saves those outputs itself and the
+            # hooks counted them.
             twice: dict[str, list[int]] = {}
             if "selective" in wanted and not compiled:
                 twice["selective"] = [0] * len(blocks)
@@ -503,15 +618,33 @@ def profile(
                 if offloading else contextlib.nullcontext()
             bandwidth: tuple[float, float] | None = None
             judged = choices is None  # choices named by the caller are all run
+            prepared_after = "full" if compiled and "full" in wanted else "keep"
+            # Each run's unprobed step takes the probe's own cost out of its times. The probe is
+            # the same hooks on the same blocks whatever the choice, and no choice's step is
+            # shorter than keep's, so where it cost keep under PROBE_CHEAP it costs every run at
+            # most that: keep's scale stands for theirs (on CUDA, whose events time it; not on
+            # several ranks, which must run the same steps).
+            scales: dict[str, float] = {}
+
+            def probe_scale(choice: str) -> float | None:
+                keep_scale = scales.get("keep")
+                if choice == "keep" or keep_scale is None or device.type != "cuda" or strict:
+                    return None
+                return keep_scale if keep_scale >= 1 - PROBE_CHEAP else None
             with pooling as pool:
                 for choice in wanted:
                     if choice == "offload" and judged and "full_offload" in runs \
-                            and _offload_outrun(runs, sizes, bandwidth, strict, compiled):
+                            and _offload_outrun(runs, sizes, bandwidth, strict):
                         notes.append(
                             "offload: not run: on every block its copies alone take longer than the "
                             "measured step of full_offload, which holds no more; not a choice")
                         continue
-                    warmed = _Warmed()
+                    warmed = _Warmed(counter=lambda: timing.calls)
+
+                    def counted_first(choice: str = choice) -> None:
+                        calls = timing.calls
+                        count(choice)
+                        timing.move_calls(choice, "counts", timing.calls - calls)
                     try:
                         # On the host loopback an offload's "host" copies are CPU tensors too, but
                         # they go into the engine's pool buffers, made before the meter starts (on
@@ -525,7 +658,8 @@ def profile(
                             runs[choice] = _run(model, blocks, names, choice, args, kwargs, loss,
                                                 apply, meter, steps, pin, pin_budget, taken(choice),
                                                 compile, spent, warmed, outputs_held, strict,
-                                                backward)
+                                                backward, counted_first if choice in in_runs else None,
+                                                probe_scale(choice), scales)
                     except torch.cuda.OutOfMemoryError:
                         if strict:
                             raise
@@ -535,14 +669,12 @@ def profile(
                         gc.collect()
                         torch.cuda.empty_cache()
                     timing.warmed(choice, warmed)
-                    if choice != "keep":
-                        continue
-                    if device.type == "cuda" and offloading:
+                    if choice == "keep" and device.type == "cuda" and offloading:
                         # Before the runs after keep: whether the offload run is worth its host
                         # memory is judged from it (`_offload_outrun`).
                         with timing.timed("copy_bandwidth"):
                             bandwidth = copy_bandwidth()
-                    if pool is not None and not compiled:
+                    if pool is not None and choice == prepared_after:
                         # What the offload runs will copy, made on the pool's thread while the
                         # runs between compute (their steps wait on the GPU, with the GIL
                         # released): made in their first step, on demand and as spares, pinning
@@ -551,11 +683,12 @@ def profile(
                         # the device) and those under the engine's threshold; full + offload's
                         # block inputs are among them. Only those inputs where the offload run
                         # will be left out: pinning what no run copies was most of the host
-                        # pool's part of a profile (an H200 GPT-2: 4-8.5 s of 11.9). Compiled,
-                        # the graphs save other storages: left on demand.
+                        # pool's part of a profile (an H200 GPT-2: 4-8.5 s of 11.9). Compiled
+                        # too: the counts ran compiled, so these are the graphs' storages; the
+                        # block inputs are known after full's run then (its count is in it).
                         outrun = "offload" not in wanted or (
                             judged and "full_offload" in wanted
-                            and _offload_outrun(runs, sizes, bandwidth, strict, compiled))
+                            and _offload_outrun(runs, sizes, bandwidth, strict))
                         copied = inputs if outrun else sizes
                         pool.prepare(n for per in copied[:-1] for n in per if n >= MIN_OFFLOAD_BYTES)
                 closing = time.perf_counter()
@@ -588,19 +721,7 @@ def profile(
     return dataclasses.replace(
         profiled, compiled=f"{compile.scope} with {compile.backend}" if compile else "",
         compile_ms=compile_ms, profile_ms=max(0.0, total_ms - compile_ms),
-        parts_ms=timing.result(total_ms, compile_ms))
-
-
-@contextlib.contextmanager
-def _trial(model: nn.Module, names: Sequence[str], compile: Compile | None, pin: bool,
-           pin_budget: int | None, apply: Apply) -> Iterator[None]:
-    """The plain model for the keep count, with a `mode: none` rule (compiled with `compile`):
-    as the plan runs it (a Hugging Face model's `use_cache` off, see `_run`)."""
-    handle = apply(model, _uniform(names, "keep", pin, pin_budget, compile))
-    try:
-        yield
-    finally:
-        handle.remove()
+        parts_ms=timing.result(total_ms, compile_ms), parts_steps=timing.step_counts())
 
 
 def measure_steps(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None,

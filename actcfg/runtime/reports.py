@@ -168,7 +168,8 @@ class CompileReport:
         return {"scope": self.scope, "backend": self.backend, "modules": list(self.modules)}
 
 
-_PART_LABELS = {"warm_ups": "warm-ups", "host_pool": "host pool", "copy_bandwidth": "copy bandwidth"}
+_PART_LABELS = {"warm_ups": "warm-ups", "host_pool": "host pool", "copy_bandwidth": "copy bandwidth",
+                "measured_whole": "measured whole"}
 """How the planning parts that are not choices read in a line (a choice keeps its name)."""
 
 
@@ -210,6 +211,9 @@ class PlanReport:
     parts_ms: dict[str, float] = field(default_factory=dict, hash=False)
     """`profile_ms` by part (`actcfg.plan.Profile.parts_ms`): the counting forwards, each
     choice's run, the runs' first steps, the host pool, the copy bandwidth, the rest."""
+    parts_steps: dict[str, int] = field(default_factory=dict, hash=False)
+    """The model calls each part made (`actcfg.plan.Profile.parts_steps`): a forward alone under
+    `counts`, a training step elsewhere."""
     solve_ms: float = 0.0
     """Wall time the solver took to choose the plan from the profile (outside `profile_ms`)."""
 
@@ -253,6 +257,8 @@ class PlanReport:
             "plain": {"step_time_ms": self.plain_step_time_ms, "peak": self.plain_peak},
             "planning": {"profile_ms": self.profile_ms, "compile_ms": self.compile_ms,
                          "compiled": self.compiled, "parts_ms": dict(self.parts_ms),
+                         # only where counted (a plan made by `plan_model`, not from a saved profile)
+                         **({"parts_steps": dict(self.parts_steps)} if self.parts_steps else {}),
                          "solve_ms": self.solve_ms},
             "plan": self.policy_yaml,
         }

@@ -9,6 +9,8 @@ byte counts tell a compiled profile from an eager one. CUDA (inductor) at the en
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -94,20 +96,51 @@ def test_a_compiled_plan_is_profiled_compiled_fits_and_trains_like_plain(scope):
 
 
 @pytest.mark.slow
-def test_a_per_block_compiled_profile_times_each_choice_in_a_few_steps():
-    """`scope: blocks`: the probe's hooks run around the compiled forwards, so taking them off
-    builds no graph, and the unprobed step is timed without a second warm-up (which was four
-    steps or more per choice: 37 model steps for three choices on this stack, now 15)."""
+@pytest.mark.parametrize("scope", ["blocks", "model"])
+def test_a_compiled_profile_times_each_choice_in_a_few_steps(scope):
+    """Per choice one step that compiles, then the steady probed step it reads (the first that
+    compiles nothing: `_steady`) and one unprobed: three, where the warm-up that waited for the
+    step time to stop falling ran four (`scope: blocks`, 15 model calls for three choices with
+    the counting forwards) or six and more (`scope: model`, 23-25). The profile says so by
+    part (`parts_steps`), as the benchmark reports it."""
     torch._dynamo.reset()
     model, x = small_blocks(4)
     steps: list[int] = []
     model.register_forward_pre_hook(lambda module, args: steps.append(1))
-    planned = plan_model(model, load(policy("blocks")), x, apply=_apply_trial)
+    planned = plan_model(model, load(policy(scope)), x, apply=_apply_trial)
     choices = planned.profile.choices()
-    # per choice: a warm-up that compiles and one that settles, a probed and an unprobed step,
-    # and its counting forward; never the second warm-up
-    assert len(steps) <= 5 * len(choices), (len(steps), choices)
+    assert choices == ("keep", "selective", "full")
+    # a counting forward per choice; per run one warm-up (it compiles), a probed and an
+    # unprobed step
+    want = {"counts": 3, **{c: 2 for c in choices}, "warm_ups": 3}
+    assert planned.profile.parts_steps == want
+    assert planned.report.parts_steps == want
+    assert len(steps) == sum(want.values()) == 12
     assert planned.profile.compile_ms > 0 and planned.report.predicted_peak <= 80 * 2**10
+    torch._dynamo.reset()
+
+
+def test_a_step_that_compiles_is_warm_up_and_the_first_that_compiles_nothing_is_read():
+    """`_steady`: a recompile (here a second shape, which dynamo then marks dynamic) is warm-up
+    too; the call after it compiles nothing and is the reading. What the compiling calls took
+    beyond it is compile time."""
+    from actcfg.plan.profile import _steady
+
+    torch._dynamo.reset()
+    double = torch.compile(lambda t: t * 2, backend="aot_eager")
+    sizes = iter([2, 3, 4, 5])
+    calls: list[int] = []
+
+    def step() -> int:
+        n = next(sizes)
+        calls.append(n)
+        double(torch.ones(n))
+        return n
+
+    spent: list[float] = []
+    got, wall_ms = _steady(step, spent)
+    assert (got, calls) == (4, [2, 3, 4])  # compiled for 2, recompiled for 3, steady at 4
+    assert wall_ms > 0 and len(spent) == 1 and spent[0] >= 0
     torch._dynamo.reset()
 
 
@@ -127,7 +160,8 @@ def _eager_profile():
 def test_a_whole_model_plan_measured_over_its_budget_is_solved_again_below_what_its_prediction_missed():
     """`_measured_whole` (CUDA only in use) with the measurement given: the first plan reads
     one byte over the budget, the next is solved below the budget by that miss, and with the
-    same miss it fits; its peak is the measured one and the check's time counts as compiling."""
+    same miss it fits; its peak is the measured one. Its two steps per plan are planning (here
+    1 ms each, as measured), the rest of its time compiling."""
     from actcfg.plan import _measured_whole
 
     model, prof, first = _eager_profile()
@@ -135,16 +169,20 @@ def test_a_whole_model_plan_measured_over_its_budget_is_solved_again_below_what_
     miss = budget - first.peak + 1  # the first plan measures one byte over the budget
     seen: list[dict[str, str]] = []
 
-    def measured(rules) -> int:
+    def measured(rules) -> tuple[float, int]:
         seen.append({m: r.mode for r in rules.checkpoint.rules for m in r.modules})
         plan = first if len(seen) == 1 else solve(prof, first.peak - 1)
-        return plan.peak + miss
+        time.sleep(0.005)  # longer than its two steps at 1 ms
+        return 1.0, plan.peak + miss
 
     plan, after = _measured_whole(model, load(policy("model", str(budget))), prof, first, measured)
     assert len(seen) == 2 and seen[0] != seen[1]  # a different plan, each measured once
     assert plan.choices != first.choices and plan.budget == budget
     assert plan.peak == solve(prof, first.peak - 1).peak + miss <= budget
-    assert after.compile_ms >= prof.compile_ms
+    assert after.compile_ms > prof.compile_ms
+    assert after.parts_steps == {**prof.parts_steps, "measured_whole": 4}
+    assert after.parts_ms["measured_whole"] == 4.0 and list(after.parts_ms)[-2:] == ["measured_whole", "rest"]
+    assert after.profile_ms == pytest.approx(prof.profile_ms + 4.0)
 
 
 def test_a_whole_model_plan_that_never_fits_is_refused_saying_so():
@@ -153,9 +191,9 @@ def test_a_whole_model_plan_that_never_fits_is_refused_saying_so():
     model, prof, first = _eager_profile()
     calls: list[int] = []
 
-    def measured(rules) -> int:
+    def measured(rules) -> tuple[float, int]:
         calls.append(1)
-        return first.budget + 2**20  # every plan a MiB over
+        return 1.0, first.budget + 2**20  # every plan a MiB over
     with pytest.raises(PlanError, match=r"compile: \{scope: model\}: "):
         _measured_whole(model, load(policy("model", str(first.budget))), prof, first, measured)
     assert 1 <= len(calls) <= 3
@@ -240,6 +278,14 @@ def test_on_the_gpu_a_compiled_plan_fits_its_budget_with_plain_gradients(scope):
     with actcfg.apply(model, {**spec, "memory_budget": budget}, inputs=x, loss_fn=loss) as handle:
         assert handle.plan.compiled == f"{scope} with inductor" and handle.plan.compile_ms > 0
         assert handle.plan.predicted_peak <= budget
+        # Steps by part: per run its count (keep, selective, full), at least one step that
+        # compiles (inductor may autotune in a later one), the probed step and, where the probe
+        # cost keep more than PROBE_CHEAP, an unprobed one (keep always runs it).
+        calls = handle.plan.parts_steps
+        runs = [c for c in calls if c not in ("counts", "warm_ups", "measured_whole")]
+        assert calls["counts"] == 3 and calls["keep"] == 2, calls
+        assert all(calls[c] in (1, 2) for c in runs) and calls["warm_ups"] >= len(runs), calls
+        assert ("measured_whole" in calls) == (scope == "model")  # two steps per plan measured whole
         _, peak = measure_steps(model, x, loss_fn=loss)
         assert peak <= budget, (peak, budget, handle.plan.summary())
         model.zero_grad(set_to_none=True)

@@ -175,15 +175,21 @@ def test_the_offload_runs_share_one_host_pool_and_the_profile_counts_as_before(l
 
 def test_the_profile_says_where_its_time_went(loopback):
     """`parts_ms`: every part the profile ran, in the report's order, adding up to profile_ms
-    (`rest` is what no part timed). Times are read, never compared with a number."""
+    (`rest` is what no part timed). Times are read, never compared with a number; the model
+    calls by part (`parts_steps`) are counted exactly."""
     model, x = chain(2)
     prof = profile(model, ("Layer",), x, apply=apply)
     assert list(prof.parts_ms) == ["counts", *WHOLE, "warm_ups", "host_pool", "rest"]
     assert all(ms >= 0 for ms in prof.parts_ms.values())
     assert sum(prof.parts_ms.values()) == pytest.approx(prof.profile_ms)
     assert all(prof.parts_ms[c] > 0 for c in ("counts", *WHOLE, "warm_ups", "host_pool"))
+    # `parts_steps`: the model calls each part made. Four counting forwards (keep, full,
+    # selective, and selective's saved ops' outputs); per run a warm-up step, a probed and an
+    # unprobed one.
+    assert prof.parts_steps == {"counts": 4, **{c: 2 for c in WHOLE}, "warm_ups": len(WHOLE)}
     without = profile(model, ("Layer",), x, apply=apply, choices=("keep", "full"))
     assert list(without.parts_ms) == ["counts", "keep", "full", "warm_ups", "rest"]  # no pool
+    assert without.parts_steps == {"counts": 2, "keep": 2, "full": 2, "warm_ups": 2}
 
 
 @pytest.mark.parametrize("strict", [False, True])
@@ -205,6 +211,52 @@ def test_one_unprobed_step_where_the_probed_ones_settled_but_never_across_ranks(
     model, x = chain(2)
     profile(model, ("Layer",), x, apply=apply, choices=("keep", "full"), steps=2, strict=strict)
     assert unprobed == ([2, 2] if strict else [1, 1])
+
+
+def test_a_run_given_keeps_scale_runs_no_unprobed_step_and_one_not_given_reports_its_own(monkeypatch):
+    """`probe_scale` (on CUDA, keep's where the probe cost it under PROBE_CHEAP): the run's
+    probed times are scaled by it, with no unprobed step; without it, the unprobed step's scale
+    goes to `scales`, as keep's does for the runs after it."""
+    from actcfg.plan import profile as profiling
+    from actcfg.plan.probe import Meter
+
+    unprobed: list[int] = []
+    real = profiling.measure_steps
+
+    def counted(*args, **kwargs):
+        unprobed.append(kwargs["steps"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(profiling, "measure_steps", counted)
+    probed: list[Any] = []
+    real_step = profiling.Probe.step
+
+    def step(self, *args, **kwargs):
+        reading = real_step(self, *args, **kwargs)
+        probed.append((reading, reading.step_ms, list(reading.forward_ms)))
+        return reading
+
+    monkeypatch.setattr(profiling.Probe, "step", step)
+    model, x = chain(2)
+    modules = [model.layers[0], model.layers[1]]
+    names = ["layers.0", "layers.1"]
+    loss = lambda out: out.float().pow(2).mean()  # noqa: E731
+
+    def run(choice: str, **kwargs: Any) -> Any:
+        probed.clear()
+        return profiling._run(model, modules, names, choice, (x,), {}, loss, apply,
+                              Meter(torch.device("cpu")), 1, True, None, names, **kwargs)
+
+    scales: dict[str, float] = {}
+    run("keep", scales=scales)
+    assert unprobed == [1] and set(scales) == {"keep"} and 0 < scales["keep"] <= 1
+    got = run("full", probe_scale=0.5, scales=scales)
+    assert unprobed == [1] and set(scales) == {"keep"}  # no unprobed step, nothing reported
+    assert len(probed) == 2  # a warm-up and the probed step
+    read, step_ms, forward_ms = probed[-1]  # the reading the run returned, scaled in place
+    assert got.step is read and step_ms > 0
+    assert got.step.step_ms == pytest.approx(0.5 * step_ms)
+    assert got.step.forward_ms == pytest.approx([0.5 * t for t in forward_ms])
 
 
 def test_each_choice_runs_a_warm_up_and_one_probed_step_by_default(loopback, monkeypatch):
@@ -239,32 +291,33 @@ def _reading(forward_ms: list[float], backward_ms: list[float]) -> Any:
     return StepReading(n=len(forward_ms), forward_ms=forward_ms, backward_ms=backward_ms)
 
 
-@pytest.mark.parametrize("strict,compiled", [(False, False), (True, False), (False, True)])
-def test_the_offload_run_is_left_out_only_where_its_copies_outrun_full_offload(strict, compiled):
+@pytest.mark.parametrize("strict", [False, True])
+def test_the_offload_run_is_left_out_only_where_its_copies_outrun_full_offload(strict):
     """Three blocks saving 700 MB each (the last offloads nothing: its group stays), keep at 3 +
     6 ms a block, full_offload at 3 + 9: at 50 GB/s the copies alone take 14 ms each way, 28 ms
     against 12, so no plan would offload a whole block; at 500 GB/s they hide behind keep's
-    compute and the run is needed. Never judged on several ranks or compiled."""
+    compute and the run is needed. Never judged on several ranks; compiled alike (the sizes
+    are then the compiled graphs' storages)."""
     from actcfg.plan.cost import Run
     from actcfg.plan.profile import OUTRUN, _offload_outrun
 
     sizes = [[350_000_000, 350_000_000]] * 3
     keep = Run(_reading([3.0] * 3, [6.0] * 3), [0] * 3)
     twin = Run(_reading([3.0] * 3, [9.0] * 3), [0] * 3)
-    judged = not strict and not compiled
+    judged = not strict
     runs = {"keep": keep, "full_offload": twin}
-    assert _offload_outrun(runs, sizes, (50.0, 50.0), strict, compiled) is judged
+    assert _offload_outrun(runs, sizes, (50.0, 50.0), strict) is judged
     # before full_offload ran: against keep with its forward again (3 + 3 + 6 ms)
-    assert _offload_outrun({"keep": keep}, sizes, (50.0, 50.0), strict, compiled) is judged
-    assert not _offload_outrun(runs, sizes, (500.0, 500.0), strict, compiled)
-    assert not _offload_outrun(runs, sizes, None, strict, compiled)  # no bandwidth measured
+    assert _offload_outrun({"keep": keep}, sizes, (50.0, 50.0), strict) is judged
+    assert not _offload_outrun(runs, sizes, (500.0, 500.0), strict)
+    assert not _offload_outrun(runs, sizes, None, strict)  # no bandwidth measured
     # one block whose copies would hide: the run is needed for it
     slow = Run(_reading([3.0, 30.0, 3.0], [6.0, 60.0, 6.0]), [0] * 3)
     slow_twin = Run(_reading([3.0, 30.0, 3.0], [9.0, 90.0, 9.0]), [0] * 3)
-    assert not _offload_outrun({"keep": slow, "full_offload": slow_twin}, sizes, (50.0, 50.0), strict, compiled)
+    assert not _offload_outrun({"keep": slow, "full_offload": slow_twin}, sizes, (50.0, 50.0), strict)
     # a margin over full_offload's noise: copies just above its step do not decide
     edge = 12.0 * (OUTRUN - 0.05) * 50e6 / 2
-    assert not _offload_outrun(runs, [[int(edge)]] * 3, (50.0, 50.0), strict, compiled)
+    assert not _offload_outrun(runs, [[int(edge)]] * 3, (50.0, 50.0), strict)
 
 
 def test_without_an_offload_device_offload_is_no_choice():
