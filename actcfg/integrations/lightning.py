@@ -91,7 +91,7 @@ from actcfg.integrations._planning import (
 )
 from actcfg.integrations._report_lines import FirstStepPeak, applied_line, measured_line
 from actcfg.plan import plan_model
-from actcfg.plan.sharded import DEEPSPEED_WHY, is_sharded
+from actcfg.plan.sharded import ZERO3_INSTEAD, is_sharded, zero3_refusal
 from actcfg.policy.schema import Policy
 
 __all__ = ["ActivationPolicy", "step_loss"]
@@ -357,12 +357,12 @@ def _refuse_planning_in(trainer: pl.Trainer, pl_module: pl.LightningModule) -> N
     strategy = trainer.strategy
     why = None
     if isinstance(strategy, DeepSpeedStrategy):
-        # ZeRO stages 0-2 are planned: the LightningModule's parameters are the engine
-        # module's, and the profile's backward keeps DeepSpeed's gradient hooks out
-        # (actcfg.plan.sharded.deepspeed_backward). ZeRO-3 marks its parameters with ds_id.
-        if any(hasattr(p, "ds_id") for p in pl_module.parameters()):
-            why = (f"the Trainer runs DeepSpeedStrategy with ZeRO-3 ({DEEPSPEED_WHY}; stages 0, "
-                   "1 and 2 are planned)")
+        # ZeRO stages 0-2, and 3 on one rank, are planned: the LightningModule's parameters are
+        # the engine module's, and the profile's backward keeps DeepSpeed's gradient hooks out
+        # (actcfg.plan.sharded.deepspeed_backward, zero3_refusal).
+        zero3 = zero3_refusal(pl_module)
+        if zero3 is not None:
+            why = f"the Trainer runs DeepSpeedStrategy with ZeRO-3, {zero3} ({ZERO3_INSTEAD})"
     elif isinstance(strategy, ModelParallelStrategy) and not is_sharded(pl_module):
         # Tensor parallel alone (no fully_shard) has collectives in every step too, but the
         # agreement of the ranks' steps is built and tested for FSDP2's.

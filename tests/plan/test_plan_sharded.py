@@ -8,7 +8,10 @@ steps after it equal those of a run given the written plan. Two ranks apply one 
 that fails makes the other fail with its sentence. Under the DeepSpeed engine (ZeRO-1, ZeRO-2
 and the bf16 optimizer) `engine.module` plans without any DeepSpeed hook seeing the profile,
 trains as the written plan (on one rank and on two), and the engine's own step fits the budget
-with DeepSpeed's buckets counted. DDP, ZeRO-3 and the engine object are refused.
+with DeepSpeed's buckets counted. ZeRO-3 on the one rank plans through its own module hooks
+(every gather a view of the whole partition), leaves its hooks' state and everything the engine
+reads as it was, and its steps stay within the prediction; its leaf modules, DDP and the engine
+object are refused.
 
 The `cuda` test is the one-rank NCCL case (an H200):
 
@@ -217,29 +220,13 @@ def engine_state(engine: Any) -> list[torch.Tensor]:
 
 @pytest.mark.slow
 @pytest.mark.deepspeed
-@pytest.mark.parametrize("given", ["engine", "engine.module"])
-def test_deepspeed_zero3_is_refused_before_any_step_naming_its_trace(ds_env, monkeypatch, given):
-    # ZeRO-3 replaces torch.nn.functional.linear process-wide and never puts it back.
-    monkeypatch.setattr(torch.nn.functional, "linear", torch.nn.functional.linear)
-    engine, x = engine_of(3)
-    target = engine if given == "engine" else engine.module
-    with pytest.raises(PlanError, match=r"^`checkpoint.mode: auto` profiles training steps on the "
-                       r"model as given, and the model is trained by the DeepSpeed engine with "
-                       r"ZeRO-3 \(ZeRO-3 gathers each module's partitioned parameters with hooks "
-                       r"that record the order .*; use ZeRO stage 1 or 2, which plan as they "
-                       r"train, or plan the unwrapped model"):
-        actcfg.apply(target, auto(1 << 20), inputs=x)
-    engine.destroy()
-
-
-@pytest.mark.slow
-@pytest.mark.deepspeed
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_the_deepspeed_engine_object_is_refused_naming_engine_module(ds_env, stage):
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_deepspeed_engine_object_is_refused_naming_engine_module(ds_env, monkeypatch, stage):
+    monkeypatch.setattr(torch.nn.functional, "linear", torch.nn.functional.linear)  # ZeRO-3's
     engine, x = engine_of(stage)
     with pytest.raises(PlanError, match=r"the model is the DeepSpeed engine itself, whose module "
                        r"names carry its `module.` prefix .*: pass engine.module, which plans "
-                       r"under ZeRO stages 0, 1 and 2$"):
+                       r"under ZeRO stages 0, 1 and 2, and 3 on one rank$"):
         actcfg.apply(engine, auto(1 << 20), inputs=x)
     assert all(p.grad is None for p in engine.module.parameters())
     engine.destroy()
@@ -408,6 +395,144 @@ def test_zero_refuses_a_model_that_checkpoints_reentrantly_and_leaves_no_gradien
     assert fired == []  # the reentrant block's inner backward never ran
     assert all(p.grad is None for p in model.parameters())
     assert engine_losses(engine, x, 1)  # the engine still trains
+    engine.destroy()
+
+
+ZERO3 = {"stage3_param_persistence_threshold": 0, "reduce_bucket_size": BUCKET}
+"""ZeRO-3 with every parameter partitioned (by default one under 1e5 elements, every one of
+these blocks', stays gathered for good) and the reduce bucket of the ZeRO-1/2 tests."""
+
+
+def zero3_state(engine: Any) -> list[torch.Tensor]:
+    """What a ZeRO-3 step reads or writes: each parameter's partition (its weights: outside a
+    module's forward `param.data` is empty), the fp32 partitions it steps, the flat buffer of
+    gradient partitions and Adam's state."""
+    optimizer = engine.optimizer
+    out = [p.ds_tensor.detach().clone() for p in engine.module.parameters()]
+    out += [t.detach().clone() for t in optimizer.fp32_partitioned_groups_flat]
+    out.append(optimizer.grad_partitions_flat_buffer.detach().clone())
+    out += [torch.as_tensor(v).clone() for state in optimizer.optimizer.state.values()
+            for v in state.values()]
+    return out
+
+
+def measured_steps(engine: Any, x: torch.Tensor, steps: int) -> tuple[list[float], list[int]]:
+    """The engine's own steps (engine(x), engine.backward, engine.step): losses, and each
+    step's peak above its start as the planner's CPU meter counts it."""
+    losses, peaks = [], []
+    for _ in range(steps):
+        live = LiveBytes()
+        live.start()
+        loss = engine(x).square().mean()
+        engine.backward(loss)
+        live.stop()
+        engine.step()
+        losses.append(loss.item())
+        peaks.append(live.peak)
+    return losses, peaks
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed
+def test_zero3_on_one_rank_plans_engine_module_changes_nothing_and_trains_as_the_written_plan(ds_env, monkeypatch):
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    from actcfg.plan.sharded import deepspeed_backward, zero3_profiling
+
+    # ZeRO-3 replaces torch.nn.functional.linear process-wide and never puts it back.
+    monkeypatch.setattr(torch.nn.functional, "linear", torch.nn.functional.linear)
+    engine, x = engine_of(3, **ZERO3)
+    module = engine.module
+    optimizer = engine.optimizer
+    assert type(optimizer).__name__ == "DeepSpeedZeroOptimizer_Stage3"
+    with zero3_profiling(module):  # the planner's meter on engine.module, as the profile runs it
+        budget = halfway_budget(lambda: (module, x))
+    engine_losses(engine, x, 1)  # a step before planning: Adam's state, partitions, counters
+    coordinator = optimizer.parameter_offload.get_param_coordinator()
+    counters = lambda: (engine.global_steps, engine.micro_steps, optimizer.micro_step_id,
+                        optimizer._epilogue_ran_this_backward,
+                        optimizer._backward_hook_state.backward_active_depth)
+    before, counted, rng = zero3_state(engine), counters(), torch.get_rng_state()
+    statuses = [p.ds_status for p in module.parameters()]
+    assert set(statuses) == {ZeroParamStatus.NOT_AVAILABLE}  # all partitioned between steps
+    waiting = [m.__dict__.get("applied_pre_backward_ref_cnt") for m in module.modules()]
+    fired = []
+    watch = [p.register_post_accumulate_grad_hook(lambda p: fired.append(p)) for p in module.parameters()]
+    handle = actcfg.apply(module, auto(budget), inputs=x)
+    for h in watch:
+        h.remove()
+    # No gradient hook saw the profile's backward passes (ZeRO-3's are registered as `watch`),
+    # and nothing the engine's next step reads moved.
+    assert fired == []
+    assert counters() == counted
+    assert torch.equal(torch.get_rng_state(), rng)
+    after = zero3_state(engine)
+    assert len(after) == len(before) >= len(list(module.parameters())) + 5
+    for was, now in zip(before, after):
+        torch.testing.assert_close(now, was, rtol=0, atol=0)
+    assert all(p.grad is None for p in module.parameters())
+    # ZeRO-3's hooks left as a run's step leaves them: every parameter partitioned again, no
+    # forward awaiting a backward, the trace to be recorded again (as before a run's first step).
+    assert [p.ds_status for p in module.parameters()] == statuses
+    assert [m.__dict__.get("applied_pre_backward_ref_cnt") for m in module.modules()] == waiting
+    assert coordinator.is_invalid_trace()
+    assert not any(m._parameters._in_forward for m in module.modules())
+    taken = deepspeed_backward(module)
+    assert len(taken.apart) == len(list(module.parameters())) and taken.after is not None
+    assert taken.buffers == BUCKET * 4  # reduce_scatter_coalesced's copy of a bucket, fp32
+    assert handle.plan.predicted_peak <= budget
+    assert set(dict(handle.plan.choices).values()) != {"keep"}
+    # The engine's own steps, the first recording ZeRO-3's trace, the next ones prefetching by
+    # it: none above the plan's prediction.
+    planned, peaks = measured_steps(engine, x, 3)
+    print(f"zero-3: steps {peaks}, predicted {handle.plan.predicted_peak}, budget {budget}, "
+          f"stand-in {taken.buffers}")
+    assert max(peaks) <= handle.plan.predicted_peak
+    planned_state = zero3_state(engine)
+
+    # The same run given the written plan from the start.
+    again, _ = engine_of(3, **ZERO3)
+    engine_losses(again, x, 1)
+    given = actcfg.apply(again.module, handle.plan.policy_yaml)
+    assert planned == measured_steps(again, x, 3)[0]
+    for p, q in zip(planned_state, zero3_state(again)):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert engine.global_steps == again.global_steps == 4
+    # Without any policy: the plan's recompute gathers each checkpointed block's parameters
+    # again through ZeRO-3's hooks, and trains as no checkpointing does.
+    plain, _ = engine_of(3, **ZERO3)
+    engine_losses(plain, x, 1)
+    torch.testing.assert_close(measured_steps(plain, x, 3)[0], planned, rtol=1e-5, atol=0)
+    handle.remove()
+    given.remove()
+    for e in (engine, again, plain):
+        e.destroy()
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed
+def test_zero3_leaf_modules_are_refused_naming_their_backward_hook(ds_env, monkeypatch):
+    import deepspeed
+    from deepspeed.utils import set_z3_leaf_modules
+
+    monkeypatch.setattr(torch.nn.functional, "linear", torch.nn.functional.linear)
+    model, x = offload_blocks(2)
+    set_z3_leaf_modules(model, [type(model.blocks[0])])
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        config={"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3, **ZERO3}})
+    fired = []
+    watch = [p.register_post_accumulate_grad_hook(lambda p: fired.append(p)) for p in model.parameters()]
+    with pytest.raises(PlanError, match=r"^`checkpoint.mode: auto` profiles training steps on the "
+                       r"model as given, and the model is trained by the DeepSpeed engine with "
+                       r"ZeRO-3, with a ZeRO-3 leaf module \(Block: set_z3_leaf_modules .*\), "
+                       r"whose gradients ZeRO-3 reduces in a full backward hook on the module, "
+                       r"which the profile's backward would fire; plan the same model and "
+                       r"micro-batch on one rank under ZeRO-3 without offload_param"):
+        actcfg.apply(engine.module, auto(1 << 20), inputs=x)
+    for h in watch:
+        h.remove()
+    assert fired == []
     engine.destroy()
 
 
