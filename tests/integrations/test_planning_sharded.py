@@ -5,8 +5,8 @@ the first batch and changes nothing the run sees (its steps equal those of a run
 written plan), on one process and on two gloo ranks (one plan, written once); DDP is refused with its reason, and so is a Hugging Face `fsdp` run whose model
 is not FSDP2-sharded (on the CPU accelerate runs DDP there). Hugging Face's Trainer under the
 DeepSpeed engine (DeepSpeed's CPU accelerator) with ZeRO-1 and ZeRO-2 plans on the first batch
-and trains as the run given the written plan (losses, weights, fp32 partitions, Adam's state);
-ZeRO-3 is refused. Hugging Face's FSDP2 needs a GPU (accelerate shards only on GPU distributed
+and trains as the run given the written plan (losses, weights, fp32 partitions, Adam's state),
+and so does ZeRO-3 on this one rank (where ZeRO-3 is refused: tests/plan/test_plan_sharded.py). Hugging Face's FSDP2 needs a GPU (accelerate shards only on GPU distributed
 types), and Lightning's DeepSpeedStrategy refuses every accelerator but CUDA: the `cuda` tests
 plan GPT-2 under the one, one rank on NCCL, and the blocks stack under the other:
 
@@ -223,8 +223,11 @@ step, which would make the budget DeepSpeed's bucket."""
 
 
 def zero_config(stage: int) -> dict[str, Any]:
+    # ZeRO-3 with every parameter partitioned: by default one under 1e5 elements (every one of
+    # this Llama's) stays gathered for good.
+    partitioned = {"stage3_param_persistence_threshold": 0} if stage == 3 else {}
     return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET}}
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET, **partitioned}}
 
 
 def hf_zero_budget(stage: int) -> int:
@@ -234,6 +237,7 @@ def hf_zero_budget(stage: int) -> int:
 
     from actcfg.api import apply
     from actcfg.plan.profile import measure_steps
+    from actcfg.plan.sharded import zero3_profiling
 
     model = tiny_llama(2)
     engine, *_ = deepspeed.initialize(
@@ -241,17 +245,18 @@ def hf_zero_budget(stage: int) -> int:
         config={"train_micro_batch_size_per_gpu": 4, **{k: v for k, v in zero_config(stage).items()
                                                         if not isinstance(v, str)}})
     batch = {"input_ids": HF_IDS[:4], "labels": HF_IDS[:4]}
-    _, plain = measure_steps(engine.module, batch, steps=1)
-    with apply(engine.module, "version: 1\ncheckpoint: {mode: full, modules: [LlamaDecoderLayer]}\n"):
-        _, full = measure_steps(engine.module, batch, steps=1)
+    with zero3_profiling(engine.module):  # as the profile runs it (ZeRO-3; nothing otherwise)
+        _, plain = measure_steps(engine.module, batch, steps=1)
+        with apply(engine.module, "version: 1\ncheckpoint: {mode: full, modules: [LlamaDecoderLayer]}\n"):
+            _, full = measure_steps(engine.module, batch, steps=1)
     engine.destroy()
     assert full < plain
     return (full + plain) // 2
 
 
 class EngineSteps(TrainerCallback):
-    """What the engine holds after each step: the module's weights, the fp32 partitions ZeRO
-    steps, Adam's state, the RNG state and the step count."""
+    """What the engine holds after each step: the module's weights (ZeRO-3: each parameter's
+    partition), the fp32 partitions ZeRO steps, Adam's state, the RNG state and the step count."""
 
     def __init__(self) -> None:
         self.seen: list[dict[str, Any]] = []
@@ -259,9 +264,12 @@ class EngineSteps(TrainerCallback):
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         optimizer = self.engine.optimizer
+        fp32 = getattr(optimizer, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
+        if fp32 is None:  # ZeRO-3
+            fp32 = optimizer.fp32_partitioned_groups_flat
         self.seen.append({
-            "weights": [p.detach().clone() for p in model.parameters()],
-            "fp32": [t.detach().clone() for t in optimizer.single_partition_of_fp32_groups],
+            "weights": [getattr(p, "ds_tensor", p).detach().clone() for p in model.parameters()],
+            "fp32": [t.detach().clone() for t in fp32],
             "adam": [torch.as_tensor(v).clone() for st in optimizer.optimizer.state.values()
                      for v in st.values()],
             "rng": torch.get_rng_state(), "step": state.global_step,
@@ -302,8 +310,10 @@ def hf_env(ds_env):
 
 @pytest.mark.slow
 @pytest.mark.deepspeed
-@pytest.mark.parametrize("stage", [1, 2])
-def test_hf_deepspeed_zero_plans_on_the_first_batch_and_trains_as_the_written_plan(hf_env, tmp_path, stage):
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hf_deepspeed_zero_plans_on_the_first_batch_and_trains_as_the_written_plan(hf_env, tmp_path, monkeypatch, stage):
+    # ZeRO-3 replaces torch.nn.functional.linear process-wide and never puts it back.
+    monkeypatch.setattr(torch.nn.functional, "linear", torch.nn.functional.linear)
     budget = hf_zero_budget(stage)
     policy = f"version: 1\ncheckpoint: {{mode: auto, modules: [LlamaDecoderLayer]}}\nmemory_budget: {budget}\n"
     planning = ActivationPolicyCallback(policy)
@@ -325,23 +335,26 @@ def test_hf_deepspeed_zero_plans_on_the_first_batch_and_trains_as_the_written_pl
 
 @pytest.mark.slow
 @pytest.mark.deepspeed
-def test_hf_deepspeed_zero3_is_refused_before_the_first_step(hf_env, tmp_path, monkeypatch):
+def test_hf_deepspeed_zero3_with_a_leaf_module_is_refused_before_the_first_step(hf_env, tmp_path, monkeypatch):
+    from deepspeed.utils import set_z3_leaf_modules
     from transformers import Trainer, TrainingArguments
 
-    # ZeRO-3 replaces torch.nn.functional.linear process-wide and never puts it back.
     monkeypatch.setattr(torch.nn.functional, "linear", torch.nn.functional.linear)
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2,
                              report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True,
                              deepspeed=zero_config(3))
     policy = "version: 1\ncheckpoint: {mode: auto, modules: [LlamaDecoderLayer]}\nmemory_budget: 1MiB\n"
-    trainer = Trainer(model=tiny_llama(2), args=args,
+    model = tiny_llama(2)
+    set_z3_leaf_modules(model, [type(model.model.layers[0])])
+    trainer = Trainer(model=model, args=args,
                       train_dataset=[{"input_ids": r, "labels": r} for r in HF_IDS],
                       callbacks=[ActivationPolicyCallback(policy)])
     with pytest.raises(PolicyApplyError, match=re.escape(
             "checkpoint.mode auto plans on the first batch, in the training process, and the "
-            "Trainer runs the DeepSpeed engine with ZeRO-3 (ZeRO-3 gathers each module's "
-            "partitioned parameters with hooks that record the order modules run in during the "
-            "first steps and prefetch by it after;")):
+            "Trainer runs the DeepSpeed engine with ZeRO-3, with a ZeRO-3 leaf module "
+            "(LlamaDecoderLayer: set_z3_leaf_modules or stage3_module_granularity_threshold), "
+            "whose gradients ZeRO-3 reduces in a full backward hook on the module, which the "
+            "profile's backward would fire (plan the same model and micro-batch on one rank")):
         trainer.train()
     assert trainer.state.global_step == 0
 
