@@ -85,8 +85,8 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
     from actcfg.plan.consensus import agree, group_of_ranks, one_profile, settle
     from actcfg.plan.profile import measure_steps
     from actcfg.plan.profile import profile as run_profile
-    from actcfg.plan.sharded import (WHILE_PROFILING, Steps, is_sharded, is_zero3, refuse_compile_across_ranks,
-                                     refuse_unplannable, zero3_profiling)
+    from actcfg.plan.sharded import (WHILE_PROFILING, Steps, is_sharded, is_zero3,
+                                     refuse_compile_across_ranks, refuse_unplannable, zero3_profiling)
     from actcfg.runtime.step import default_loss, split_inputs
 
     group = group_of_ranks()

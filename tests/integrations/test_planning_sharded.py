@@ -6,12 +6,13 @@ written plan), on one process and on two gloo ranks (one plan, written once); DD
 is not FSDP2-sharded (on the CPU accelerate runs DDP there). Hugging Face's Trainer under the
 DeepSpeed engine (DeepSpeed's CPU accelerator) with ZeRO-1 and ZeRO-2 plans on the first batch
 and trains as the run given the written plan (losses, weights, fp32 partitions, Adam's state),
-and so does ZeRO-3 on this one rank (where ZeRO-3 is refused: tests/plan/test_plan_sharded.py). Hugging Face's FSDP2 needs a GPU (accelerate shards only on GPU distributed
-types), and Lightning's DeepSpeedStrategy refuses every accelerator but CUDA: the `cuda` tests
-plan GPT-2 under the one, one rank on NCCL, and the blocks stack under the other:
+and so does ZeRO-3 on this one rank (where ZeRO-3 is refused: tests/plan/test_plan_sharded.py);
+a ZeRO-3 leaf module is refused. Hugging Face's FSDP2 needs a GPU (accelerate shards only on GPU
+distributed types), and Lightning's DeepSpeedStrategy refuses every accelerator but CUDA: the `cuda` tests
+plan GPT-2 under the one, one rank on NCCL, and the blocks stack under the other (ZeRO-2, 3):
 
     python3 -m pytest -m cuda -q "tests/integrations/test_planning_sharded.py::test_gpu_hf_trainer_fsdp2_plans_on_the_first_batch_like_the_written_plan"
-    python3 -m pytest -m cuda -q -s "tests/integrations/test_planning_sharded.py::test_gpu_lightning_deepspeed_zero2_plans_within_the_budget_and_trains_as_the_written_plan"
+    python3 -m pytest -m cuda -q -s "tests/integrations/test_planning_sharded.py::test_gpu_lightning_deepspeed_zero_plans_within_the_budget_and_trains_as_the_written_plan"
 """
 
 from __future__ import annotations
@@ -362,8 +363,8 @@ def test_hf_deepspeed_zero3_with_a_leaf_module_is_refused_before_the_first_step(
 # --- Lightning DeepSpeedStrategy (CUDA only), one GPU --------------------------------------------
 
 
-def _lightning_deepspeed_worker(rank: int, out_dir: str, port: int) -> None:
-    """Lightning's DeepSpeedStrategy(stage=2) with its own defaults (reduce buckets of 2e8
+def _lightning_deepspeed_worker(rank: int, out_dir: str, port: int, stage: int = 2) -> None:
+    """Lightning's DeepSpeedStrategy(stage=2, or 3) with its own defaults (reduce buckets of 2e8
     elements, two with overlap_comm) on the blocks stack: the budget halfway between the first
     steps of checkpointing every block and of plain, both measured under the strategy; the
     planned run within it, and trained as the run given its written plan."""
@@ -394,14 +395,16 @@ def _lightning_deepspeed_worker(rank: int, out_dir: str, port: int) -> None:
             self.engine: list[tuple[int, int]] = []
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.seen.append([float(p.detach().float().abs().sum()) for p in pl_module.parameters()])
+            # under ZeRO-3 a parameter's weights are its partition (`param.data` is empty)
+            self.seen.append([float(getattr(p, "ds_tensor", p).detach().float().abs().sum())
+                              for p in pl_module.parameters()])
             engine = trainer.strategy.deepspeed_engine
             self.engine.append((engine.global_steps, engine.micro_steps))
 
     def run(name: str, callback: ActivationPolicy) -> Weights:
         weights = Weights()
         trainer = pl.Trainer(max_steps=STEPS, accelerator="gpu", devices=1, precision="32-true",
-                             strategy=DeepSpeedStrategy(stage=2), logger=False,
+                             strategy=DeepSpeedStrategy(stage=stage), logger=False,
                              enable_checkpointing=False, enable_progress_bar=False,
                              enable_model_summary=False, default_root_dir=os.path.join(out_dir, name),
                              callbacks=[callback, weights])
@@ -429,9 +432,10 @@ def _lightning_deepspeed_worker(rank: int, out_dir: str, port: int) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_lightning_deepspeed_zero2_plans_within_the_budget_and_trains_as_the_written_plan(tmp_path):
-    (result,) = run_ranks(_lightning_deepspeed_worker, tmp_path, world=1, timeout=900)
-    print("lightning deepspeed zero-2:", {k: v for k, v in result.items()
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gpu_lightning_deepspeed_zero_plans_within_the_budget_and_trains_as_the_written_plan(tmp_path, stage):
+    (result,) = run_ranks(_lightning_deepspeed_worker, tmp_path, stage, world=1, timeout=900)
+    print(f"lightning deepspeed zero-{stage}:", {k: v for k, v in result.items()
                                           if k not in ("planned", "given", "plan")},
           result["plan"].splitlines()[:8])
     assert result["peak"] <= result["budget"] < result["plain"]

@@ -13,9 +13,10 @@ with DeepSpeed's buckets counted. ZeRO-3 on the one rank plans through its own m
 reads as it was, and its steps stay within the prediction; its leaf modules, DDP and the engine
 object are refused.
 
-The `cuda` test is the one-rank NCCL case (an H200):
+The `cuda` tests are the one-rank NCCL cases (an H200), FSDP2 and ZeRO-3:
 
     python3 -m pytest -m cuda -q "tests/plan/test_plan_sharded.py::test_gpu_fsdp2_one_rank_nccl_plan_fits_its_budget_with_the_written_plans_gradients"
+    python3 -m pytest -m cuda -q -s "tests/plan/test_plan_sharded.py::test_gpu_zero3_one_rank_nccl_plan_holds_its_prediction_and_trains_as_the_written_plan"
 """
 
 from __future__ import annotations
@@ -780,4 +781,85 @@ def test_gpu_fsdp2_one_rank_nccl_plan_fits_its_budget_with_the_written_plans_gra
     assert result["predicted"] <= result["budget"]
     assert {c for _, c in result["choices"]} != {"keep"}
     # the same kernels on the same batch; rel 1e-6 leaves room for an atomic-add reduction
+    assert result["planned"] == pytest.approx(result["written"], rel=1e-6)
+
+
+def _zero3_nccl_worker(rank: int, out_dir: str, port: int) -> None:
+    """ZeRO-3 on one GPU (NCCL, one rank: every gather a view of the partition) with bf16
+    weights: the plan within its budget, the engine's own forward and backward (CUDA allocator
+    peak above its start, over the first steps after planning: the trace recorded, then
+    prefetching) against the prediction, and the run given the written plan."""
+    import os
+    from datetime import timedelta
+
+    import deepspeed
+    import torch.distributed as dist
+
+    from actcfg.plan.sharded import zero3_profiling
+    from actcfg.probes import blocks
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1, timeout=timedelta(seconds=300),
+                            device_id=torch.device("cuda", 0))
+    deepspeed.init_distributed(dist_backend="nccl")  # takes the group up already
+
+    def make() -> tuple[Any, torch.Tensor]:
+        torch.manual_seed(0)
+        model, x = blocks(n=6, d_model=1024, heads=8, ffn=4096, batch=4, seq=1024,
+                          dtype=torch.bfloat16, device="cuda")
+        config = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
+                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                        "reduce_bucket_size": 5e7}}
+        engine, *_ = deepspeed.initialize(  # a torch optimizer, not a DeepSpeed optimizer type
+            model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), config=config)
+        return engine, x
+
+    def steps(engine: Any, x: torch.Tensor, n: int) -> tuple[list[float], list[int]]:
+        losses, peaks = [], []
+        for _ in range(n):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+            loss = engine(x).float().square().mean()
+            engine.backward(loss)
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated() - start)
+            engine.step()
+            losses.append(loss.item())
+        return losses, peaks
+
+    engine, x = make()
+    with zero3_profiling(engine.module):
+        budget = halfway_budget(lambda: (engine.module, x))
+    steps(engine, x, 1)
+    handle = actcfg.apply(engine.module, auto(budget), inputs=x)
+    planned, peaks = steps(engine, x, 3)
+    again, _ = make()
+    steps(again, x, 1)
+    given = actcfg.apply(again.module, handle.plan.policy_yaml)
+    written, _ = steps(again, x, 3)
+    write_result(out_dir, rank, {
+        "budget": budget, "peaks": peaks, "predicted": handle.plan.predicted_peak,
+        "choices": [list(c) for c in handle.plan.choices], "planned": planned, "written": written,
+    })
+    handle.remove()
+    given.remove()
+    engine.destroy()
+    again.destroy()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+@pytest.mark.deepspeed
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_zero3_one_rank_nccl_plan_holds_its_prediction_and_trains_as_the_written_plan(tmp_path):
+    (result,) = run_ranks(_zero3_nccl_worker, tmp_path, world=1, timeout=900)
+    print("zero-3 nccl plan:", {k: v for k, v in result.items() if k not in ("planned", "written")})
+    assert result["predicted"] <= result["budget"]
+    assert {c for _, c in result["choices"]} != {"keep"}
+    assert max(result["peaks"]) <= result["predicted"]
+    # the same kernels on the same batches; rel 1e-6 leaves room for an atomic-add reduction
     assert result["planned"] == pytest.approx(result["written"], rel=1e-6)
