@@ -6,7 +6,7 @@ written plan), on one process and on two gloo ranks (one plan, written once); DD
 is not FSDP2-sharded (on the CPU accelerate runs DDP there). Hugging Face's Trainer under the
 DeepSpeed engine (DeepSpeed's CPU accelerator) with ZeRO-1 and ZeRO-2 plans on the first batch
 and trains as the run given the written plan (losses, weights, fp32 partitions, Adam's state),
-and so does ZeRO-3 on this one rank (where ZeRO-3 is refused: tests/plan/test_plan_sharded.py);
+and so does ZeRO-3 on this one rank (refused on several: tests/plan/test_plan_sharded.py);
 a ZeRO-3 leaf module is refused. Hugging Face's FSDP2 needs a GPU (accelerate shards only on GPU
 distributed types), and Lightning's DeepSpeedStrategy refuses every accelerator but CUDA: the `cuda` tests
 plan GPT-2 under the one, one rank on NCCL, and the blocks stack under the other (ZeRO-2, 3):

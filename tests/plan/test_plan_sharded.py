@@ -729,6 +729,46 @@ def test_zero2_on_two_ranks_plans_one_plan_and_trains_as_the_written_plan(tmp_pa
     assert ranks[0]["weights"] == ranks[1]["weights"]  # one all-reduced update on both
 
 
+def _zero3_two_rank_worker(rank: int, out_dir: str, port: int) -> None:
+    from actcfg.errors import PlanError as Refused  # this process's class
+
+    init_group(rank, port, deepspeed=True)
+    engine, x = engine_of(3, **ZERO3)
+    local = x.chunk(WORLD)[rank]
+    fired: list[Any] = []
+    watch = [p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+             for p in engine.module.parameters()]
+    try:
+        actcfg.apply(engine.module, auto(1 << 30), inputs=local)
+        refused = None
+    except Refused as e:
+        refused = str(e)
+    for h in watch:
+        h.remove()
+    # Refused before any profiled step: no gather or reduction of one rank waits for the other.
+    losses = engine_losses(engine, local, 1)
+    write_result(out_dir, rank, {"refused": refused, "fired": len(fired), "losses": losses,
+                                 "steps": engine.global_steps})
+    engine.destroy()
+    finish()
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed
+def test_zero3_on_two_ranks_is_refused_before_any_step_naming_its_gathers_and_what_to_do(tmp_path, ds_env):
+    gloo_or_skip()
+    ranks = run_ranks(_zero3_two_rank_worker, tmp_path, timeout=300)
+    for r in ranks:
+        assert r["refused"] is not None and (
+            "the model is trained by the DeepSpeed engine with ZeRO-3, whose parameters are "
+            "partitioned over 2 ranks: ZeRO-3 all-gathers each module's parameters on the device "
+            "with hooks whose timing follows the module order it recorded") in r["refused"]
+        assert ("each gather is a collective the ranks' profiles would have to match one for "
+                "one; plan the same model and micro-batch on one rank under ZeRO-3 without "
+                "offload_param") in r["refused"]
+        assert r["fired"] == 0 and r["steps"] == 1
+
+
 # --- one rank: NCCL on an H200 ----------------------------------------------------------------------
 
 
