@@ -27,10 +27,12 @@ the plan applied at train begin. The plan is written to `output_dir/actcfg-plan.
 `plan_file=` applies such a file at train begin instead, with no profile. Under FSDP2
 (`fsdp_config={"fsdp_version": 2}`) the profile runs on the sharded model, on every rank
 together, and every rank applies one plan (`actcfg.plan.sharded`). Under the DeepSpeed engine
-(`deepspeed=`) with ZeRO stage 0, 1 or 2 the profile runs `Trainer.model` (the engine's module)
+(`deepspeed=`) with ZeRO stage 0, 1 or 2, or 3 on one rank (`actcfg.plan.sharded.zero3_refusal`),
+the profile runs `Trainer.model` (the engine's module)
 inside the engine's first forward, its backward passes taken with `torch.autograd.grad` so that
 ZeRO's gradient hooks never see them, and DeepSpeed's reduce buckets and gradient partition
-counted as its step allocates them (`actcfg.plan.sharded.deepspeed_backward`). ZeRO-3, DDP,
+counted as its step allocates them (`actcfg.plan.sharded.deepspeed_backward`). ZeRO-3 where a
+gather allocates (several ranks, offload_param, quantized weights) or with leaf modules, DDP,
 FSDP1 and DataParallel are refused before the first step (`_refuse_planning_in` says why).
 
 What the callback says goes where the Trainer writes its own progress: Trainer's logger stays at

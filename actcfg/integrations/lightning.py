@@ -41,11 +41,13 @@ file at fit start instead, with no profile. Planning in the run needs automatic
 optimization (the profile must not step an optimizer) and one device, or `ModelParallelStrategy`
 with FSDP2's `fully_shard` in `configure_model`: the profile then runs on the sharded model, on
 every rank together, and every rank applies one plan (`actcfg.plan.sharded`); or
-`DeepSpeedStrategy` with ZeRO stage 0, 1 or 2: the profile's backward passes are taken with
+`DeepSpeedStrategy` with ZeRO stage 0, 1 or 2, or 3 on one GPU
+(`actcfg.plan.sharded.zero3_refusal`): the profile's backward passes are taken with
 `torch.autograd.grad`, so ZeRO's gradient hooks never see them, and DeepSpeed's reduce buckets
 and gradient partition are counted as its step allocates them
 (`actcfg.plan.sharded.deepspeed_backward`); the engine's step leaves no gradient to live through
-the next forward. ZeRO-3, DDP and FSDPStrategy (FSDP1) are refused before the first step
+the next forward. ZeRO-3 where a gather allocates (several ranks, offload_param, quantized
+weights) or with leaf modules, DDP and FSDPStrategy (FSDP1) are refused before the first step
 (`_refuse_planning_in` says why).
 
 What the callback says goes through `rank_zero_info`, Lightning's own INFO logger (its
@@ -350,7 +352,7 @@ def _refuse_whole_model_compile(policy: Policy, plan_file: Path | None) -> None:
 def _refuse_planning_in(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
     """PolicyApplyError for a fit whose first batch cannot be planned on in this process.
 
-    One device is planned, `DeepSpeedStrategy` with ZeRO stage 0, 1 or 2, and
+    One device is planned, `DeepSpeedStrategy` with ZeRO stage 0, 1 or 2 (3 on one GPU), and
     `ModelParallelStrategy` with FSDP2 (`fully_shard` in `configure_model`) on one process or
     each of several, which plan together (`actcfg.plan.sharded`). What is refused is what a profile's backward cannot run under and
     leave the fit as it was."""

@@ -71,8 +71,9 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
     A model sharded with FSDP2 is profiled as it trains, its parameters gathered per unit and
     its gradients reduce-scattered in each profiled step (`actcfg.plan.sharded`); the module of a
     DeepSpeed engine with ZeRO-1/2 (or none) is profiled with its backward apart from ZeRO's
-    gradient hooks and a stand-in for its reduce buckets; DDP, ZeRO-3 and the engine object
-    itself are refused.
+    gradient hooks and a stand-in for its reduce buckets, and with ZeRO-3 on one rank through
+    ZeRO-3's own module hooks (`zero3_profiling`); DDP, ZeRO-3 where a gather allocates
+    (`zero3_refusal`) and the engine object itself are refused.
 
     What the training loop does around the model, as the profile cannot see it: `outputs_held`,
     whether it holds the model's outputs through backward (`Probe.step`); `accumulating`,

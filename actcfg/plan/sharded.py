@@ -89,7 +89,8 @@ def _class_names(model: nn.Module) -> set[str]:
 
 def refuse_unplannable(model: nn.Module) -> None:
     """PlanError for a model the profile cannot run a step of without changing what the run
-    sees: wrapped in DDP, trained by the DeepSpeed engine with ZeRO-3, or the engine itself."""
+    sees: wrapped in DDP, trained by the DeepSpeed engine with ZeRO-3 where a gather allocates
+    (`zero3_refusal`), or the engine itself."""
     where = "`checkpoint.mode: auto` profiles training steps on the model as given, and"
     fix = ("plan the unwrapped model in a one-process run (or with `actcfg plan CONFIG --model "
            "pkg.module:factory -o plan.yaml`) and apply the written plan")
