@@ -200,7 +200,9 @@ def zero3_profiling(model: nn.Module) -> Iterator[None]:
     * each module's count of forwards awaiting a backward (`applied_pre_backward_ref_cnt`),
       raised by the profile's forwards that no backward follows (its byte counts);
     * parameters gathered at the end (a module whose post-backward hook never fired: its input
-      needs no gradient), released after each backward (`deepspeed_backward`) and at the end.
+      needs no gradient), released after each backward (`deepspeed_backward`) and at the end;
+      and those gathered before the profile (persistent ones, once a trace completed), gathered
+      again (on one rank a view of the partition, as gathering them in the run would be).
     """
     offload = _zero3_offload(model)
     if offload is None:
@@ -244,6 +246,12 @@ def zero3_profiling(model: nn.Module) -> Iterator[None]:
             if p.ds_status == ZeroParamStatus.AVAILABLE and p not in gathered:
                 p.ds_active_sub_modules.clear()
                 p.partition()
+        # Persistent parameters (`stage3_param_persistence_threshold`) stay gathered once a
+        # complete trace runs; the profile's recording steps release them like any other.
+        released = [p for p in model.parameters()
+                    if p in gathered and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        if released:
+            released[0].all_gather(param_list=released)
         for m, saved in counts:
             for k in ("applied_pre_backward_ref_cnt", "ds_grads_remaining"):
                 if k in saved:

@@ -433,29 +433,39 @@ def measured_steps(engine: Any, x: torch.Tensor, steps: int) -> tuple[list[float
     return losses, peaks
 
 
+ZERO3_PERSISTENT = {"reduce_bucket_size": BUCKET}
+"""ZeRO-3 at its default persistence threshold: every parameter of these blocks (each under 1e5
+elements) stays gathered once a trace completed (its second step)."""
+
+
 @pytest.mark.slow
 @pytest.mark.deepspeed
-def test_zero3_on_one_rank_plans_engine_module_changes_nothing_and_trains_as_the_written_plan(ds_env, monkeypatch):
+@pytest.mark.parametrize("zero, steps_before", [(ZERO3, 1), (ZERO3_PERSISTENT, 2)],
+                         ids=["partitioned", "persistent"])
+def test_zero3_on_one_rank_plans_engine_module_changes_nothing_and_trains_as_the_written_plan(
+        ds_env, monkeypatch, zero, steps_before):
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     from actcfg.plan.sharded import deepspeed_backward, zero3_profiling
 
     # ZeRO-3 replaces torch.nn.functional.linear process-wide and never puts it back.
     monkeypatch.setattr(torch.nn.functional, "linear", torch.nn.functional.linear)
-    engine, x = engine_of(3, **ZERO3)
+    engine, x = engine_of(3, **zero)
     module = engine.module
     optimizer = engine.optimizer
     assert type(optimizer).__name__ == "DeepSpeedZeroOptimizer_Stage3"
     with zero3_profiling(module):  # the planner's meter on engine.module, as the profile runs it
         budget = halfway_budget(lambda: (module, x))
-    engine_losses(engine, x, 1)  # a step before planning: Adam's state, partitions, counters
+    # steps before planning: Adam's state, partitions, counters (and a complete trace)
+    engine_losses(engine, x, steps_before)
     coordinator = optimizer.parameter_offload.get_param_coordinator()
     counters = lambda: (engine.global_steps, engine.micro_steps, optimizer.micro_step_id,
                         optimizer._epilogue_ran_this_backward,
                         optimizer._backward_hook_state.backward_active_depth)
     before, counted, rng = zero3_state(engine), counters(), torch.get_rng_state()
     statuses = [p.ds_status for p in module.parameters()]
-    assert set(statuses) == {ZeroParamStatus.NOT_AVAILABLE}  # all partitioned between steps
+    # between steps: all partitioned, or all persistent ones gathered for good
+    assert set(statuses) == {ZeroParamStatus.NOT_AVAILABLE if zero is ZERO3 else ZeroParamStatus.AVAILABLE}
     waiting = [m.__dict__.get("applied_pre_backward_ref_cnt") for m in module.modules()]
     fired = []
     watch = [p.register_post_accumulate_grad_hook(lambda p: fired.append(p)) for p in module.parameters()]
@@ -472,8 +482,9 @@ def test_zero3_on_one_rank_plans_engine_module_changes_nothing_and_trains_as_the
     for was, now in zip(before, after):
         torch.testing.assert_close(now, was, rtol=0, atol=0)
     assert all(p.grad is None for p in module.parameters())
-    # ZeRO-3's hooks left as a run's step leaves them: every parameter partitioned again, no
-    # forward awaiting a backward, the trace to be recorded again (as before a run's first step).
+    # ZeRO-3's hooks left as a run's step leaves them: every parameter partitioned (or gathered)
+    # as it was, no forward awaiting a backward, the trace to be recorded again (as before a
+    # run's first step).
     assert [p.ds_status for p in module.parameters()] == statuses
     assert [m.__dict__.get("applied_pre_backward_ref_cnt") for m in module.modules()] == waiting
     assert coordinator.is_invalid_trace()
@@ -492,17 +503,17 @@ def test_zero3_on_one_rank_plans_engine_module_changes_nothing_and_trains_as_the
     planned_state = zero3_state(engine)
 
     # The same run given the written plan from the start.
-    again, _ = engine_of(3, **ZERO3)
-    engine_losses(again, x, 1)
+    again, _ = engine_of(3, **zero)
+    engine_losses(again, x, steps_before)
     given = actcfg.apply(again.module, handle.plan.policy_yaml)
     assert planned == measured_steps(again, x, 3)[0]
     for p, q in zip(planned_state, zero3_state(again)):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
-    assert engine.global_steps == again.global_steps == 4
+    assert engine.global_steps == again.global_steps == steps_before + 3
     # Without any policy: the plan's recompute gathers each checkpointed block's parameters
     # again through ZeRO-3's hooks, and trains as no checkpointing does.
-    plain, _ = engine_of(3, **ZERO3)
-    engine_losses(plain, x, 1)
+    plain, _ = engine_of(3, **zero)
+    engine_losses(plain, x, steps_before)
     torch.testing.assert_close(measured_steps(plain, x, 3)[0], planned, rtol=1e-5, atol=0)
     handle.remove()
     given.remove()
