@@ -195,8 +195,9 @@ def zero3_profiling(model: nn.Module) -> Iterator[None]:
       before the first step of a run, and the run records it again in its next two steps (the
       trace decides only when parameters are gathered and released, never a value; on one rank
       a gather allocates nothing);
-    * the engine's external-parameter discovery (`_in_forward` on each module's parameters),
-      on during each profiled forward as during the engine's;
+    * the engine's external-parameter discovery (`_in_forward` on each module's parameters,
+      which the engine's own hooks on engine.module turn on for each profiled forward and off
+      after), as it was before the profile;
     * each module's count of forwards awaiting a backward (`applied_pre_backward_ref_cnt`),
       raised by the profile's forwards that no backward follows (its byte counts);
     * parameters gathered at the end (a module whose post-backward hook never fired: its input
@@ -217,28 +218,24 @@ def zero3_profiling(model: nn.Module) -> Iterator[None]:
                    if k in m.__dict__}) for m in modules]
     gathered = {p for p in model.parameters() if p.ds_status == ZeroParamStatus.AVAILABLE}
 
-    def discovering(on: bool) -> None:
-        for m in modules:
-            if isinstance(m._parameters, ZeROOrderedDict):
-                m._parameters._in_forward = on
+    # The engine's own pre- and post-forward hooks on engine.module turn it on and off around
+    # each profiled forward; a profile inside the engine's forward (a callback's pre-forward
+    # hook) leaves it as that forward had it.
+    ordered = [m._parameters for m in modules if isinstance(m._parameters, ZeROOrderedDict)]
+    discovery = [getattr(d, "_in_forward", False) for d in ordered]
 
     def enter(module: nn.Module, args: Any) -> None:
         if not coordinator.is_invalid_trace():
             coordinator._invalidate_trace()  # as DeepSpeed does when its hooks are registered again
-        discovering(True)
-
-    def leave(module: nn.Module, args: Any, output: Any) -> None:
-        discovering(False)
 
     # Before ZeRO-3's own pre-forward hook (reset_step), which then starts recording.
-    handles = [model.register_forward_pre_hook(enter, prepend=True),
-               model.register_forward_hook(leave, always_call=True)]
+    handle = model.register_forward_pre_hook(enter, prepend=True)
     try:
         yield
     finally:
-        for h in handles:
-            h.remove()
-        discovering(False)
+        handle.remove()
+        for d, flag in zip(ordered, discovery):
+            d._in_forward = flag
         offload.release_backward_leftovers()
         if not coordinator.is_invalid_trace():
             coordinator._invalidate_trace()

@@ -521,6 +521,50 @@ def test_zero3_on_one_rank_plans_engine_module_changes_nothing_and_trains_as_the
         e.destroy()
 
 
+class Tied(nn.Module):
+    """The blocks, then a projection by a weight its own module never runs for (as a language
+    model's head uses its embedding's): ZeRO-3 gathers it only through the engine's
+    external-parameter discovery, which the engine's hooks on its module turn on in a forward."""
+
+    def __init__(self, stack: nn.Module) -> None:
+        super().__init__()
+        self.stack = stack
+        self.unused = nn.Linear(64, 64, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(self.stack(x), self.unused.weight)
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed
+def test_zero3_gathers_a_parameter_used_outside_its_module_in_the_profile_as_in_the_run(ds_env, monkeypatch):
+    import deepspeed
+
+    monkeypatch.setattr(torch.nn.functional, "linear", torch.nn.functional.linear)
+
+    def tied() -> tuple[Any, torch.Tensor]:
+        stack, x = offload_blocks(2)
+        model = Tied(stack)
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+            config={"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3, **ZERO3}})
+        return engine, x
+
+    engine, x = tied()
+    # Before any step: the engine registers the weight with the module that uses it (so that
+    # module's hooks gather it) in its first forward, by that discovery.
+    handle = actcfg.apply(engine.module, auto(1 << 30), inputs=x)  # every block kept
+    assert engine.module.unused.weight.ds_status.name == "NOT_AVAILABLE"
+    planned = engine_losses(engine, x, 2)
+    again, _ = tied()
+    given = actcfg.apply(again.module, handle.plan.policy_yaml)
+    assert planned == engine_losses(again, x, 2)
+    handle.remove()
+    given.remove()
+    engine.destroy()
+    again.destroy()
+
+
 @pytest.mark.slow
 @pytest.mark.deepspeed
 def test_zero3_leaf_modules_are_refused_naming_their_backward_hook(ds_env, monkeypatch):
