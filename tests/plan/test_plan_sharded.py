@@ -594,6 +594,20 @@ def test_zero3_leaf_modules_are_refused_naming_their_backward_hook(ds_env, monke
 
 @pytest.mark.slow
 @pytest.mark.deepspeed
+def test_zero3_refuses_compile_before_any_step(ds_env, monkeypatch):
+    monkeypatch.setattr(torch.nn.functional, "linear", torch.nn.functional.linear)
+    engine, x = engine_of(3, **ZERO3)
+    compiled = {**auto(1 << 20), "compile": {"scope": "blocks", "backend": "aot_eager"}}
+    with pytest.raises(PlanError, match=r"^`compile:` with a model trained by the DeepSpeed engine "
+                       r"with ZeRO-3: the profile runs ZeRO-3's module hooks, .*; remove `compile`, "
+                       r"or plan under ZeRO stage 1 or 2$"):
+        actcfg.apply(engine.module, compiled, inputs=x)
+    assert all(p.grad is None for p in engine.module.parameters())
+    engine.destroy()
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("overlap_comm", [False, True])  # True: two buckets (Lightning's default)
 def test_a_zero_step_holds_the_plans_budget_with_its_buckets(ds_env, stage, overlap_comm):
