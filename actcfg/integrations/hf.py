@@ -27,10 +27,12 @@ the plan applied at train begin. The plan is written to `output_dir/actcfg-plan.
 `plan_file=` applies such a file at train begin instead, with no profile. Under FSDP2
 (`fsdp_config={"fsdp_version": 2}`) the profile runs on the sharded model, on every rank
 together, and every rank applies one plan (`actcfg.plan.sharded`). Under the DeepSpeed engine
-(`deepspeed=`) with ZeRO stage 0, 1 or 2 the profile runs `Trainer.model` (the engine's module)
+(`deepspeed=`) with ZeRO stage 0, 1 or 2, or 3 on one rank (`actcfg.plan.sharded.zero3_refusal`),
+the profile runs `Trainer.model` (the engine's module)
 inside the engine's first forward, its backward passes taken with `torch.autograd.grad` so that
 ZeRO's gradient hooks never see them, and DeepSpeed's reduce buckets and gradient partition
-counted as its step allocates them (`actcfg.plan.sharded.deepspeed_backward`). ZeRO-3, DDP,
+counted as its step allocates them (`actcfg.plan.sharded.deepspeed_backward`). ZeRO-3 where a
+gather allocates (several ranks, offload_param, quantized weights) or with leaf modules, DDP,
 FSDP1 and DataParallel are refused before the first step (`_refuse_planning_in` says why).
 
 What the callback says goes where the Trainer writes its own progress: Trainer's logger stays at
@@ -76,7 +78,7 @@ from actcfg.integrations._planning import (
 )
 from actcfg.integrations._report_lines import FirstStepPeak, applied_line, measured_line
 from actcfg.plan import plan_model
-from actcfg.plan.sharded import DDP_WHY, DEEPSPEED_WHY, is_sharded
+from actcfg.plan.sharded import DDP_WHY, ZERO3_INSTEAD, is_sharded, zero3_refusal
 from actcfg.policy.schema import Policy
 
 __all__ = ["ActivationPolicyCallback", "trainer_loss"]
@@ -320,11 +322,12 @@ def _refuse_planning_in(args: TrainingArguments, model: Any) -> None:
     leave the run as it was."""
     fsdp = getattr(args, "fsdp", None)
     why = None
-    if getattr(args, "deepspeed_plugin", None) is not None and any(
-            hasattr(p, "ds_id") for p in model.parameters()):
-        # ZeRO stages 0-2 are planned: `Trainer.model` is engine.module, and the profile's
-        # backward keeps DeepSpeed's gradient hooks out (actcfg.plan.sharded.deepspeed_backward).
-        why = f"the Trainer runs the DeepSpeed engine with ZeRO-3 ({DEEPSPEED_WHY}; stages 0, 1 and 2 are planned)"
+    zero3 = zero3_refusal(model) if getattr(args, "deepspeed_plugin", None) is not None else None
+    if zero3 is not None:
+        # ZeRO stages 0-2, and 3 on one rank, are planned: `Trainer.model` is engine.module, and
+        # the profile's backward keeps DeepSpeed's gradient hooks out
+        # (actcfg.plan.sharded.deepspeed_backward, zero3_refusal).
+        why = f"the Trainer runs the DeepSpeed engine with ZeRO-3, {zero3} ({ZERO3_INSTEAD})"
     elif fsdp and not is_sharded(model):
         # FSDP1 wraps the model in FullyShardedDataParallel with flat parameters (its names are
         # not the model's, so neither is a plan's); accelerate on the CPU runs DDP instead.

@@ -41,11 +41,13 @@ file at fit start instead, with no profile. Planning in the run needs automatic
 optimization (the profile must not step an optimizer) and one device, or `ModelParallelStrategy`
 with FSDP2's `fully_shard` in `configure_model`: the profile then runs on the sharded model, on
 every rank together, and every rank applies one plan (`actcfg.plan.sharded`); or
-`DeepSpeedStrategy` with ZeRO stage 0, 1 or 2: the profile's backward passes are taken with
+`DeepSpeedStrategy` with ZeRO stage 0, 1 or 2, or 3 on one GPU
+(`actcfg.plan.sharded.zero3_refusal`): the profile's backward passes are taken with
 `torch.autograd.grad`, so ZeRO's gradient hooks never see them, and DeepSpeed's reduce buckets
 and gradient partition are counted as its step allocates them
 (`actcfg.plan.sharded.deepspeed_backward`); the engine's step leaves no gradient to live through
-the next forward. ZeRO-3, DDP and FSDPStrategy (FSDP1) are refused before the first step
+the next forward. ZeRO-3 where a gather allocates (several ranks, offload_param, quantized
+weights) or with leaf modules, DDP and FSDPStrategy (FSDP1) are refused before the first step
 (`_refuse_planning_in` says why).
 
 What the callback says goes through `rank_zero_info`, Lightning's own INFO logger (its
@@ -91,7 +93,7 @@ from actcfg.integrations._planning import (
 )
 from actcfg.integrations._report_lines import FirstStepPeak, applied_line, measured_line
 from actcfg.plan import plan_model
-from actcfg.plan.sharded import DEEPSPEED_WHY, is_sharded
+from actcfg.plan.sharded import ZERO3_INSTEAD, is_sharded, zero3_refusal
 from actcfg.policy.schema import Policy
 
 __all__ = ["ActivationPolicy", "step_loss"]
@@ -350,19 +352,19 @@ def _refuse_whole_model_compile(policy: Policy, plan_file: Path | None) -> None:
 def _refuse_planning_in(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
     """PolicyApplyError for a fit whose first batch cannot be planned on in this process.
 
-    One device is planned, `DeepSpeedStrategy` with ZeRO stage 0, 1 or 2, and
+    One device is planned, `DeepSpeedStrategy` with ZeRO stage 0, 1 or 2 (3 on one GPU), and
     `ModelParallelStrategy` with FSDP2 (`fully_shard` in `configure_model`) on one process or
     each of several, which plan together (`actcfg.plan.sharded`). What is refused is what a profile's backward cannot run under and
     leave the fit as it was."""
     strategy = trainer.strategy
     why = None
     if isinstance(strategy, DeepSpeedStrategy):
-        # ZeRO stages 0-2 are planned: the LightningModule's parameters are the engine
-        # module's, and the profile's backward keeps DeepSpeed's gradient hooks out
-        # (actcfg.plan.sharded.deepspeed_backward). ZeRO-3 marks its parameters with ds_id.
-        if any(hasattr(p, "ds_id") for p in pl_module.parameters()):
-            why = (f"the Trainer runs DeepSpeedStrategy with ZeRO-3 ({DEEPSPEED_WHY}; stages 0, "
-                   "1 and 2 are planned)")
+        # ZeRO stages 0-2, and 3 on one rank, are planned: the LightningModule's parameters are
+        # the engine module's, and the profile's backward keeps DeepSpeed's gradient hooks out
+        # (actcfg.plan.sharded.deepspeed_backward, zero3_refusal).
+        zero3 = zero3_refusal(pl_module)
+        if zero3 is not None:
+            why = f"the Trainer runs DeepSpeedStrategy with ZeRO-3, {zero3} ({ZERO3_INSTEAD})"
     elif isinstance(strategy, ModelParallelStrategy) and not is_sharded(pl_module):
         # Tensor parallel alone (no fully_shard) has collectives in every step too, but the
         # agreement of the ranks' steps is built and tested for FSDP2's.

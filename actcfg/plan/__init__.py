@@ -71,8 +71,9 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
     A model sharded with FSDP2 is profiled as it trains, its parameters gathered per unit and
     its gradients reduce-scattered in each profiled step (`actcfg.plan.sharded`); the module of a
     DeepSpeed engine with ZeRO-1/2 (or none) is profiled with its backward apart from ZeRO's
-    gradient hooks and a stand-in for its reduce buckets; DDP, ZeRO-3 and the engine object
-    itself are refused.
+    gradient hooks and a stand-in for its reduce buckets, and with ZeRO-3 on one rank through
+    ZeRO-3's own module hooks (`zero3_profiling`); DDP, ZeRO-3 where a gather allocates
+    (`zero3_refusal`) and the engine object itself are refused.
 
     What the training loop does around the model, as the profile cannot see it: `outputs_held`,
     whether it holds the model's outputs through backward (`Probe.step`); `accumulating`,
@@ -85,8 +86,8 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
     from actcfg.plan.consensus import agree, group_of_ranks, one_profile, settle
     from actcfg.plan.profile import measure_steps
     from actcfg.plan.profile import profile as run_profile
-    from actcfg.plan.sharded import (WHILE_PROFILING, Steps, is_sharded, refuse_compile_across_ranks,
-                                     refuse_unplannable)
+    from actcfg.plan.sharded import (WHILE_PROFILING, Steps, is_sharded, is_zero3,
+                                     refuse_compile_across_ranks, refuse_unplannable, zero3_profiling)
     from actcfg.runtime.step import default_loss, split_inputs
 
     group = group_of_ranks()
@@ -97,6 +98,13 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
         _refuse_frozen(model)
         if across:
             refuse_compile_across_ranks(policy.compile is not None)
+        if policy.compile is not None and is_zero3(model):
+            # ZeRO-3's module hooks are torch.compiler.disable'd and gather by the trace; a
+            # compiled profile under them has not been built or measured.
+            raise PlanError("`compile:` with a model trained by the DeepSpeed engine with ZeRO-3: "
+                            "the profile runs ZeRO-3's module hooks, which compiled blocks break "
+                            "at, and compiled planning is not built under them; remove "
+                            "`compile`, or plan under ZeRO stage 1 or 2")
         elif group is not None and policy.compile is not None and policy.compile.scope == "model":
             # each rank would measure its own plan compiled whole and could refuse alone
             raise PlanError(
@@ -111,11 +119,12 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
     settle(ready, group, where=" (before profiling)")
     steps = Steps(model, group) if across else None
     try:
-        local = run_profile(model, policy.checkpoint.modules, inputs,
-                            loss_fn=checked if steps is None else steps.loss(checked), apply=apply,
-                            pin=policy.pin, pin_budget=policy.pin_budget, compile=policy.compile,
-                            submodules=policy.checkpoint.submodules, strict=across,
-                            outputs_held=outputs_held)
+        with zero3_profiling(model):  # ZeRO-3 (one rank): its hooks' state put back after
+            local = run_profile(model, policy.checkpoint.modules, inputs,
+                                loss_fn=checked if steps is None else steps.loss(checked), apply=apply,
+                                pin=policy.pin, pin_budget=policy.pin_budget, compile=policy.compile,
+                                submodules=policy.checkpoint.submodules, strict=across,
+                                outputs_held=outputs_held)
     except Exception as e:
         if steps is not None and steps.settled:
             raise  # the ranks agreed at a step's loss: every rank raises this now

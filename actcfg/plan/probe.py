@@ -54,6 +54,9 @@ class Backward:
 
     apart: tuple[torch.Tensor, ...] = ()
     buffers: int = 0
+    after: Callable[[], None] | None = None
+    """Called once the backward has run (ZeRO-3: release what modules whose post-backward hook
+    never fired still hold gathered, as the engine's backward epilogue does)."""
 
     def run(self, loss: torch.Tensor) -> Any:
         """Run it; what it returns holds the gradients taken apart, and the stand-in, until the
@@ -78,6 +81,8 @@ class Backward:
                 "the gradients with torch.autograd.grad, which a reentrant checkpoint refuses; "
                 "turn that checkpointing off (the plan checkpoints what it needs) or make it "
                 "non-reentrant") from e
+        if self.after is not None:
+            self.after()
         return grads, held
 
 

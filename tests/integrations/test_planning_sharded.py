@@ -5,13 +5,14 @@ the first batch and changes nothing the run sees (its steps equal those of a run
 written plan), on one process and on two gloo ranks (one plan, written once); DDP is refused with its reason, and so is a Hugging Face `fsdp` run whose model
 is not FSDP2-sharded (on the CPU accelerate runs DDP there). Hugging Face's Trainer under the
 DeepSpeed engine (DeepSpeed's CPU accelerator) with ZeRO-1 and ZeRO-2 plans on the first batch
-and trains as the run given the written plan (losses, weights, fp32 partitions, Adam's state);
-ZeRO-3 is refused. Hugging Face's FSDP2 needs a GPU (accelerate shards only on GPU distributed
-types), and Lightning's DeepSpeedStrategy refuses every accelerator but CUDA: the `cuda` tests
-plan GPT-2 under the one, one rank on NCCL, and the blocks stack under the other:
+and trains as the run given the written plan (losses, weights, fp32 partitions, Adam's state),
+and so does ZeRO-3 on this one rank (refused on several: tests/plan/test_plan_sharded.py);
+a ZeRO-3 leaf module is refused. Hugging Face's FSDP2 needs a GPU (accelerate shards only on GPU
+distributed types), and Lightning's DeepSpeedStrategy refuses every accelerator but CUDA: the `cuda` tests
+plan GPT-2 under the one, one rank on NCCL, and the blocks stack under the other (ZeRO-2, 3):
 
     python3 -m pytest -m cuda -q "tests/integrations/test_planning_sharded.py::test_gpu_hf_trainer_fsdp2_plans_on_the_first_batch_like_the_written_plan"
-    python3 -m pytest -m cuda -q -s "tests/integrations/test_planning_sharded.py::test_gpu_lightning_deepspeed_zero2_plans_within_the_budget_and_trains_as_the_written_plan"
+    python3 -m pytest -m cuda -q -s "tests/integrations/test_planning_sharded.py::test_gpu_lightning_deepspeed_zero_plans_within_the_budget_and_trains_as_the_written_plan"
 """
 
 from __future__ import annotations
@@ -223,8 +224,11 @@ step, which would make the budget DeepSpeed's bucket."""
 
 
 def zero_config(stage: int) -> dict[str, Any]:
+    # ZeRO-3 with every parameter partitioned: by default one under 1e5 elements (every one of
+    # this Llama's) stays gathered for good.
+    partitioned = {"stage3_param_persistence_threshold": 0} if stage == 3 else {}
     return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET}}
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET, **partitioned}}
 
 
 def hf_zero_budget(stage: int) -> int:
@@ -234,6 +238,7 @@ def hf_zero_budget(stage: int) -> int:
 
     from actcfg.api import apply
     from actcfg.plan.profile import measure_steps
+    from actcfg.plan.sharded import zero3_profiling
 
     model = tiny_llama(2)
     engine, *_ = deepspeed.initialize(
@@ -241,17 +246,18 @@ def hf_zero_budget(stage: int) -> int:
         config={"train_micro_batch_size_per_gpu": 4, **{k: v for k, v in zero_config(stage).items()
                                                         if not isinstance(v, str)}})
     batch = {"input_ids": HF_IDS[:4], "labels": HF_IDS[:4]}
-    _, plain = measure_steps(engine.module, batch, steps=1)
-    with apply(engine.module, "version: 1\ncheckpoint: {mode: full, modules: [LlamaDecoderLayer]}\n"):
-        _, full = measure_steps(engine.module, batch, steps=1)
+    with zero3_profiling(engine.module):  # as the profile runs it (ZeRO-3; nothing otherwise)
+        _, plain = measure_steps(engine.module, batch, steps=1)
+        with apply(engine.module, "version: 1\ncheckpoint: {mode: full, modules: [LlamaDecoderLayer]}\n"):
+            _, full = measure_steps(engine.module, batch, steps=1)
     engine.destroy()
     assert full < plain
     return (full + plain) // 2
 
 
 class EngineSteps(TrainerCallback):
-    """What the engine holds after each step: the module's weights, the fp32 partitions ZeRO
-    steps, Adam's state, the RNG state and the step count."""
+    """What the engine holds after each step: the module's weights (ZeRO-3: each parameter's
+    partition), the fp32 partitions ZeRO steps, Adam's state, the RNG state and the step count."""
 
     def __init__(self) -> None:
         self.seen: list[dict[str, Any]] = []
@@ -259,9 +265,12 @@ class EngineSteps(TrainerCallback):
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         optimizer = self.engine.optimizer
+        fp32 = getattr(optimizer, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
+        if fp32 is None:  # ZeRO-3
+            fp32 = optimizer.fp32_partitioned_groups_flat
         self.seen.append({
-            "weights": [p.detach().clone() for p in model.parameters()],
-            "fp32": [t.detach().clone() for t in optimizer.single_partition_of_fp32_groups],
+            "weights": [getattr(p, "ds_tensor", p).detach().clone() for p in model.parameters()],
+            "fp32": [t.detach().clone() for t in fp32],
             "adam": [torch.as_tensor(v).clone() for st in optimizer.optimizer.state.values()
                      for v in st.values()],
             "rng": torch.get_rng_state(), "step": state.global_step,
@@ -302,8 +311,10 @@ def hf_env(ds_env):
 
 @pytest.mark.slow
 @pytest.mark.deepspeed
-@pytest.mark.parametrize("stage", [1, 2])
-def test_hf_deepspeed_zero_plans_on_the_first_batch_and_trains_as_the_written_plan(hf_env, tmp_path, stage):
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hf_deepspeed_zero_plans_on_the_first_batch_and_trains_as_the_written_plan(hf_env, tmp_path, monkeypatch, stage):
+    # ZeRO-3 replaces torch.nn.functional.linear process-wide and never puts it back.
+    monkeypatch.setattr(torch.nn.functional, "linear", torch.nn.functional.linear)
     budget = hf_zero_budget(stage)
     policy = f"version: 1\ncheckpoint: {{mode: auto, modules: [LlamaDecoderLayer]}}\nmemory_budget: {budget}\n"
     planning = ActivationPolicyCallback(policy)
@@ -325,23 +336,26 @@ def test_hf_deepspeed_zero_plans_on_the_first_batch_and_trains_as_the_written_pl
 
 @pytest.mark.slow
 @pytest.mark.deepspeed
-def test_hf_deepspeed_zero3_is_refused_before_the_first_step(hf_env, tmp_path, monkeypatch):
+def test_hf_deepspeed_zero3_with_a_leaf_module_is_refused_before_the_first_step(hf_env, tmp_path, monkeypatch):
+    from deepspeed.utils import set_z3_leaf_modules
     from transformers import Trainer, TrainingArguments
 
-    # ZeRO-3 replaces torch.nn.functional.linear process-wide and never puts it back.
     monkeypatch.setattr(torch.nn.functional, "linear", torch.nn.functional.linear)
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2,
                              report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True,
                              deepspeed=zero_config(3))
     policy = "version: 1\ncheckpoint: {mode: auto, modules: [LlamaDecoderLayer]}\nmemory_budget: 1MiB\n"
-    trainer = Trainer(model=tiny_llama(2), args=args,
+    model = tiny_llama(2)
+    set_z3_leaf_modules(model, [type(model.model.layers[0])])
+    trainer = Trainer(model=model, args=args,
                       train_dataset=[{"input_ids": r, "labels": r} for r in HF_IDS],
                       callbacks=[ActivationPolicyCallback(policy)])
     with pytest.raises(PolicyApplyError, match=re.escape(
             "checkpoint.mode auto plans on the first batch, in the training process, and the "
-            "Trainer runs the DeepSpeed engine with ZeRO-3 (ZeRO-3 gathers each module's "
-            "partitioned parameters with hooks that record the order modules run in during the "
-            "first steps and prefetch by it after;")):
+            "Trainer runs the DeepSpeed engine with ZeRO-3, with a ZeRO-3 leaf module "
+            "(LlamaDecoderLayer: set_z3_leaf_modules or stage3_module_granularity_threshold), "
+            "whose gradients ZeRO-3 reduces in a full backward hook on the module, which the "
+            "profile's backward would fire (plan the same model and micro-batch on one rank")):
         trainer.train()
     assert trainer.state.global_step == 0
 
@@ -349,8 +363,8 @@ def test_hf_deepspeed_zero3_is_refused_before_the_first_step(hf_env, tmp_path, m
 # --- Lightning DeepSpeedStrategy (CUDA only), one GPU --------------------------------------------
 
 
-def _lightning_deepspeed_worker(rank: int, out_dir: str, port: int) -> None:
-    """Lightning's DeepSpeedStrategy(stage=2) with its own defaults (reduce buckets of 2e8
+def _lightning_deepspeed_worker(rank: int, out_dir: str, port: int, stage: int = 2) -> None:
+    """Lightning's DeepSpeedStrategy(stage=2, or 3) with its own defaults (reduce buckets of 2e8
     elements, two with overlap_comm) on the blocks stack: the budget halfway between the first
     steps of checkpointing every block and of plain, both measured under the strategy; the
     planned run within it, and trained as the run given its written plan."""
@@ -381,14 +395,16 @@ def _lightning_deepspeed_worker(rank: int, out_dir: str, port: int) -> None:
             self.engine: list[tuple[int, int]] = []
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.seen.append([float(p.detach().float().abs().sum()) for p in pl_module.parameters()])
+            # under ZeRO-3 a parameter's weights are its partition (`param.data` is empty)
+            self.seen.append([float(getattr(p, "ds_tensor", p).detach().float().abs().sum())
+                              for p in pl_module.parameters()])
             engine = trainer.strategy.deepspeed_engine
             self.engine.append((engine.global_steps, engine.micro_steps))
 
     def run(name: str, callback: ActivationPolicy) -> Weights:
         weights = Weights()
         trainer = pl.Trainer(max_steps=STEPS, accelerator="gpu", devices=1, precision="32-true",
-                             strategy=DeepSpeedStrategy(stage=2), logger=False,
+                             strategy=DeepSpeedStrategy(stage=stage), logger=False,
                              enable_checkpointing=False, enable_progress_bar=False,
                              enable_model_summary=False, default_root_dir=os.path.join(out_dir, name),
                              callbacks=[callback, weights])
@@ -416,9 +432,10 @@ def _lightning_deepspeed_worker(rank: int, out_dir: str, port: int) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_lightning_deepspeed_zero2_plans_within_the_budget_and_trains_as_the_written_plan(tmp_path):
-    (result,) = run_ranks(_lightning_deepspeed_worker, tmp_path, world=1, timeout=900)
-    print("lightning deepspeed zero-2:", {k: v for k, v in result.items()
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gpu_lightning_deepspeed_zero_plans_within_the_budget_and_trains_as_the_written_plan(tmp_path, stage):
+    (result,) = run_ranks(_lightning_deepspeed_worker, tmp_path, stage, world=1, timeout=900)
+    print(f"lightning deepspeed zero-{stage}:", {k: v for k, v in result.items()
                                           if k not in ("planned", "given", "plan")},
           result["plan"].splitlines()[:8])
     assert result["peak"] <= result["budget"] < result["plain"]
