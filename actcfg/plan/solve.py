@@ -23,7 +23,9 @@ the sum of their `held`; M_b: bytes block b copies each way; d_b, h_b: those cop
   and nothing waited for it); a copy that takes no time (the host loopback's) is done at once.
   Reloads ahead during b's backward: block b-1's storages (none where b recomputes and the
   engine reloads them only past its recompute's peak, `reload_waits`: measured per block in the
-  uniform full_offload run), and b's own where it offloads without recompute, within `window_storages` x `largest_storage` (one prefetch). A profile
+  uniform full_offload run), and b's own where it offloads without recompute, within `window_storages` x `largest_storage` (one prefetch)
+  and, of each block, its `reload_ahead` (its two largest storages: the engine holds at most
+  `RELOAD_STORAGES` storages reloaded ahead of their use). A profile
   without the window (W = 0) counts whole blocks, as the engine's first step copies them.
 * step time = the plain step + each block's `extra_ms` (recompute, and what its uniform run
   measured beyond this model) + the copy time nothing hides: a block's copy to the host hides
