@@ -111,6 +111,8 @@ def reduce_profiles(profiles: Sequence[Profile]) -> Profile:
             # where every rank's engine waited: a rank that fell back had the reload taken off
             # its options, which the reload term counts back (a rank that waited: high, not low)
             all(m.reload_waits for m in mine),
+            # the most any rank reloads ahead; unknown (0: the window alone) if any rank's is
+            0 if not all(m.reload_ahead for m in mine) else max(m.reload_ahead for m in mine),
         ))
     measured = {
         c: {k: max(p.measured[c][k] for p in profiles) for k in first.measured[c]}

@@ -47,14 +47,17 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
               d2h: float, h2d: float, notes: list[str], *,
               parts: list[tuple[str, ...]] | None = None, largest_storage: int = 0,
               window_storages: int = 0, left: dict[str, list[int]] | None = None,
-              twice: dict[str, list[int]] | None = None) -> Profile:
+              twice: dict[str, list[int]] | None = None,
+              reload_ahead: list[int] | None = None) -> Profile:
     """The profile from the byte counts and the uniform runs (see `Option` for each term);
     `parts` names each block's parts (`checkpoint.submodules`); `largest_storage` and
     `window_storages` state the offload engine's copy window (see `Profile`); `left`, per
     choice counted, what each block's forward leaves alive until the turn (`Option.left`);
     `twice`, per choice counted, the bytes of each block's held count that an earlier block's
-    count holds too (one storage: see `saved_bytes`' `passed_on`)."""
+    count holds too (one storage: see `saved_bytes`' `passed_on`); `reload_ahead`, per block,
+    the most of it the engine holds reloaded ahead of use (`BlockProfile.reload_ahead`)."""
     n = len(names)
+    ahead = list(reload_ahead or []) + [0] * (n - len(reload_ahead or []))
     parts = parts or [()] * n
     cuda = device == "cuda"
     # Whether the engine waits past each block's recompute peak to reload the block below: as
@@ -103,7 +106,7 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
     # reloads), from solve's own terms: measured minus these is what each option records.
     copies_only = Profile(
         blocks=tuple(BlockProfile(name, f, 0.0, {c: Option(held=0, moved=moved[c][b]) for c in CHOICES},
-                                  reload_waits=waits[b])
+                                  reload_waits=waits[b], reload_ahead=ahead[b])
                      for b, (name, f) in enumerate(zip(names, forward_ms))),
         plain_step_ms=0.0, plain_peak=0, turn_peak=0, forward_after_ms=0.0, backward_before_ms=0.0,
         d2h_gbps=d2h, h2d_gbps=h2d, largest_storage=largest_storage,
@@ -157,8 +160,9 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
     plain_ms = ref.step.step_ms if not estimated_keep else ref.step.step_ms - sum(
         o["full"].recompute_ms for o in options)
     base = Profile(
-        blocks=tuple(BlockProfile(name, f, g, opts, ps, w)
-                     for name, f, g, opts, ps, w in zip(names, forward_ms, backward_ms, options, parts, waits)),
+        blocks=tuple(BlockProfile(name, f, g, opts, ps, w, a)
+                     for name, f, g, opts, ps, w, a in zip(names, forward_ms, backward_ms, options, parts, waits,
+                                                           ahead)),
         plain_step_ms=plain_ms,
         plain_peak=0,
         turn_peak=max(0, max(turn_peaks)),
@@ -195,8 +199,9 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
                 options[b][c] = Option(o.held, o.moved, o.forward_peak, o.backward_peak, o.recompute_ms, floor,
                                        o.left)
     out = Profile(
-        blocks=tuple(BlockProfile(name, f, g, opts, ps, w)
-                     for name, f, g, opts, ps, w in zip(names, forward_ms, backward_ms, options, parts, waits)),
+        blocks=tuple(BlockProfile(name, f, g, opts, ps, w, a)
+                     for name, f, g, opts, ps, w, a in zip(names, forward_ms, backward_ms, options, parts, waits,
+                                                           ahead)),
         plain_step_ms=base.plain_step_ms, plain_peak=0, turn_peak=base.turn_peak,
         turn_peaks=base.turn_peaks, after_turn_peak=base.after_turn_peak,
         after_turn_peaks=base.after_turn_peaks,

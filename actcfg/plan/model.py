@@ -130,6 +130,11 @@ class BlockProfile:
     full_offload run counted the reload deferred (`OffloadStats.deferred_groups`). False: the
     reload starts as the recompute begins (the engine fell back: a compiled region, no trainable
     parameters of its own, a signal too late; or no full_offload run measured it)."""
+    reload_ahead: int = 0
+    """Bytes of the block's `RELOAD_STORAGES` largest saved storages
+    (`actcfg.runtime.offload`): the most of its offloaded bytes the engine holds reloaded ahead
+    of their use at once, below the bytes window. 0: unknown (a profile from before the engine
+    counted storages), bounded by the window alone."""
 
     def taken(self, choice: str) -> tuple[str, ...]:
         """The modules the rule of `choice` takes for this block: its parts for a choice on
@@ -261,7 +266,7 @@ class Profile:
         blocks = tuple(
             BlockProfile(b["name"], b["forward_ms"], b["backward_ms"],
                          {c: Option(**o) for c, o in b["options"].items()}, tuple(b.get("parts", ())),
-                         bool(b.get("reload_waits", False)))
+                         bool(b.get("reload_waits", False)), int(b.get("reload_ahead", 0)))
             for b in data["blocks"])
         rest = {k: v for k, v in data.items() if k != "blocks"}
         rest["notes"] = tuple(rest.get("notes", ()))

@@ -51,7 +51,8 @@ from torch import nn
 from actcfg.runtime.torch_applier import resolve_ops
 from actcfg.runtime.wrap import select_modules
 from actcfg.errors import ActcfgError, PlanError
-from actcfg.runtime.offload import MIN_OFFLOAD_BYTES, WINDOW_STORAGES, OffloadWarning, loopback_enabled
+from actcfg.runtime.offload import (MIN_OFFLOAD_BYTES, RELOAD_STORAGES, WINDOW_STORAGES, OffloadWarning,
+                                    loopback_enabled)
 from actcfg.runtime.offload_pool import HostPool, shared_host_pool
 from actcfg.plan.cost import Run, assemble
 from actcfg.plan.parts import find_parts
@@ -452,8 +453,11 @@ def _offload_outrun(runs: dict[str, Run], sizes: Sequence[Sequence[int]],
     """True when no plan would choose `offload` for any block, so its run is left out: on every
     block, offloading what it saves takes longer than full_offload's step, even with the copies
     wholly hidden behind keep's compute at the measured bandwidth; and full_offload holds no more
-    (the block's input at most, in flight; `offload` every storage it saves, in flight, and
-    reloads a whole block in backward where full_offload recomputes it).
+    (the block's input at most, in flight; `offload` every storage it saves, in flight). In
+    backward `offload` holds the storages its ops use and `RELOAD_STORAGES` more, where
+    full_offload's recompute brings the whole block back: so no block (the last aside) may save
+    more than `RELOAD_STORAGES` + 1 storages of offloadable size, or offload could hold less
+    there, and the run is needed.
 
     Each block's floor is keep's forward or the copy of what it saves to the host, whichever is
     longer, plus keep's backward or the copy back. Against full_offload's measured step once it
@@ -473,6 +477,14 @@ def _offload_outrun(runs: dict[str, Run], sizes: Sequence[Sequence[int]],
     On the blocks stack (d_model 2048) offloading every block ran at 2.9x checkpointing's step."""
     keep = runs.get("keep")
     if strict or bandwidth is None or keep is None or min(bandwidth) <= 0:
+        return False
+    if any(sum(n >= MIN_OFFLOAD_BYTES for n in per) > RELOAD_STORAGES + 1 for per in sizes[:-1]):
+        # Its backward may hold less than full_offload's: the engine reloads at most
+        # RELOAD_STORAGES storages ahead of their use, each freed as its op is done, where the
+        # recompute brings the whole block back; slower, offload may still be the only choice
+        # under a budget below the recompute's peak (issue 17's blocks stack: block 0's
+        # backward, with every block's gradients allocated, is the step's peak under
+        # checkpointing; offloading block 0 holds 5 block inputs less there on the CPU).
         return False
     twin = runs.get("full_offload")
     d2h, h2d = bandwidth
@@ -637,7 +649,8 @@ def profile(
                             and _offload_outrun(runs, sizes, bandwidth, strict):
                         notes.append(
                             "offload: not run: on every block its copies alone take longer than the "
-                            "measured step of full_offload, which holds no more; not a choice")
+                            "measured step of full_offload, which holds no more (no block saves more "
+                            "storages than its backward holds reloaded); not a choice")
                         continue
                     warmed = _Warmed(counter=lambda: timing.calls)
 
@@ -715,7 +728,9 @@ def profile(
     profiled = assemble(names, held, runs, device.type, d2h, h2d, notes, parts=part_names, left=left,
                         twice=twice,
                         largest_storage=max(largest, default=0) if offloaded else 0,
-                        window_storages=WINDOW_STORAGES if offloaded else 0)
+                        window_storages=WINDOW_STORAGES if offloaded else 0,
+                        reload_ahead=[sum(sorted(per, reverse=True)[:RELOAD_STORAGES]) for per in sizes]
+                        if offloaded else None)
     compile_ms = sum(spent)
     total_ms = (time.perf_counter() - started) * 1000.0
     return dataclasses.replace(

@@ -23,7 +23,9 @@ the sum of their `held`; M_b: bytes block b copies each way; d_b, h_b: those cop
   and nothing waited for it); a copy that takes no time (the host loopback's) is done at once.
   Reloads ahead during b's backward: block b-1's storages (none where b recomputes and the
   engine reloads them only past its recompute's peak, `reload_waits`: measured per block in the
-  uniform full_offload run), and b's own where it offloads without recompute, within `window_storages` x `largest_storage` (one prefetch). A profile
+  uniform full_offload run), and b's own where it offloads without recompute, within `window_storages` x `largest_storage` (one prefetch)
+  and, of each block, its `reload_ahead` (its two largest storages: the engine holds at most
+  `RELOAD_STORAGES` storages reloaded ahead of their use). A profile
   without the window (W = 0) counts whole blocks, as the engine's first step copies them.
 * step time = the plain step + each block's `extra_ms` (recompute, and what its uniform run
   measured beyond this model) + the copy time nothing hides: a block's copy to the host hides
@@ -268,6 +270,14 @@ class _Terms:
         if not self.back_window:
             return below
         own = self.moved(b, c) if b < self.n and base is not None and CHOICE_OF[base].mode == "none" else 0
+        # At most RELOAD_STORAGES storages of each ahead (the engine counts them): a kept block
+        # above an offloaded one meets the two newest of its storages, not its bytes up to the
+        # window (the CPU uneven stack: 8 block inputs over, 11%, where the window is a wide
+        # MLP's and the block below a narrow one's).
+        if b >= 1 and self.p.blocks[b - 1].reload_ahead:
+            below = min(below, self.p.blocks[b - 1].reload_ahead)
+        if b < self.n and self.p.blocks[b].reload_ahead:
+            own = min(own, self.p.blocks[b].reload_ahead)
         return min(below + own, self.back_window)
 
     def forward_peak(self, b: int, c: str) -> int:

@@ -27,8 +27,12 @@ fastest offload runtimes do (../shared/reference/BACKENDS.md section 3):
 * Backward. Unpacking a saved tensor starts the reloads of the storages saved before it, newest
   first (the order backward uses them), on a second side stream, while the bytes on the device
   ahead of their use (reloaded, or kept at the turn, and no view unpacked yet) stay within a
-  window of `prefetch` times two of the largest storage moved; only storages of the `prefetch`
-  groups just below qualify (the gaps `end_group` opens between groups do not count). The
+  window of `prefetch` times two of the largest storage moved, and are at most `prefetch`
+  times two storages (`RELOAD_STORAGES`: a block's small storages do not all come back while
+  its wide ones are in use, so its backward holds what its ops use and two storages more, as
+  a per-tensor reload like torch's `save_on_cpu` does, plus the prefetch); only storages of
+  the `prefetch` groups just below qualify (the gaps `end_group` opens between groups do not
+  count). The
   compute stream waits for a reload before the first view of it is used, and frees it when its
   last view is done: no `record_stream`, whose deferred frees kept reloaded block inputs
   allocated while backward's host thread ran ahead of the GPU.
@@ -105,7 +109,7 @@ from actcfg.runtime.host_budget import NodeBudget
 from actcfg.runtime.offload_pool import HostPool, borrow_shared_pool
 from actcfg.runtime.offload_stats import OffloadStats, OffloadWarning, no_effect_reason
 
-__all__ = ["MIN_OFFLOAD_BYTES", "WINDOW_STORAGES", "OffloadEngine", "OffloadStats", "OffloadWarning", "host_loopback", "loopback_enabled"]
+__all__ = ["MIN_OFFLOAD_BYTES", "RELOAD_STORAGES", "WINDOW_STORAGES", "OffloadEngine", "OffloadStats", "OffloadWarning", "host_loopback", "loopback_enabled"]
 
 _LOOPBACK = threading.local()
 
@@ -205,6 +209,7 @@ class _Step:
         self.cursor = -1
         self.window = 0  # bytes reloaded ahead of use that backward may hold at once
         self.ahead = 0  # bytes reloaded and not yet used (none of their views unpacked)
+        self.ahead_storages = 0  # ... and how many storages they are
 
 
 class _Group:
@@ -312,6 +317,7 @@ class _Chunk:
         if not (self.used or self.ahead):
             self.ahead = True
             self.group.step.ahead += self.nbytes
+            self.group.step.ahead_storages += 1
 
     def use(self) -> None:
         """A view of the storage was unpacked: it no longer counts as ahead of use."""
@@ -319,6 +325,7 @@ class _Chunk:
         if self.ahead:
             self.ahead = False
             self.group.step.ahead -= self.nbytes
+            self.group.step.ahead_storages -= 1
 
     def __del__(self) -> None:
         # Every saved view of this storage is gone: its device memory (if still held) goes back,
@@ -524,7 +531,7 @@ class OffloadEngine:
       Copies share one stream, so more buys time only when sizes are uneven.
     * `prefetch`: how far backward reloads ahead: the storages of the `prefetch` groups below
       the one in use, within `prefetch` times two of the largest storage moved, in bytes on the
-      device ahead of their use.
+      device ahead of their use, and at most `prefetch` times two storages.
     * `keep_last`: groups marked for offload that stay on the device at the forward/backward
       turn, from the last one back. Each costs its group's device memory at the turn (the peak,
       for most models), and saves its copy both ways, which at the turn nothing hides: backward
@@ -957,7 +964,7 @@ class OffloadEngine:
     def _prefetch(self, group: _Group, seq: int) -> None:
         """Start the reloads of the storages saved before position `seq`, newest first (the
         order backward needs them in), while the bytes reloaded ahead of use stay within the
-        step's window (`prefetch` times the largest group). Only storages of the `prefetch`
+        step's window and they are at most `prefetch` x `RELOAD_STORAGES` storages. Only storages of the `prefetch`
         groups just below `group` qualify; the gaps `end_group` opens between groups are
         passed over, not counted, so a reload starts at most one block ahead (never earlier,
         which would hold its memory through the blocks between). A checkpointed group's
@@ -982,17 +989,20 @@ class OffloadEngine:
                 wanted -= 1
             lowest = i
         cursor = min(step.cursor, seq - 1)
-        ahead = step.ahead
+        ahead, count = step.ahead, step.ahead_storages
+        most = self.prefetch * RELOAD_STORAGES
         targets = []
         while cursor >= 0:
             chunk = step.chunks[cursor]()
             if chunk is None or chunk.host is None or chunk.gpu is not None or chunk.reloaded is not None:
                 cursor -= 1  # gone, never moved, or already back
                 continue
-            if chunk.group.index < lowest or (ahead and ahead + chunk.nbytes > step.window):
+            if (chunk.group.index < lowest or count >= most
+                    or (ahead and ahead + chunk.nbytes > step.window)):
                 break
             targets.append(chunk)
             ahead += chunk.nbytes
+            count += 1
             cursor -= 1
         step.cursor = cursor
         if targets:
@@ -1145,6 +1155,19 @@ _current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: Non
 # at 1.02x with a whole second block held at the turn and in backward (peak 2.54 GiB, against
 # 1.69 GiB with two storages and 0.88 GiB for torch's save_on_cpu).
 WINDOW_STORAGES = 2
+
+# How many storages backward holds reloaded ahead of their use, per `prefetch` (besides the
+# bytes window above): each reloaded storage is freed as the backward op that unpacks its last
+# view is done, so what a block's backward holds at once is the storages in use and these few,
+# not the rest of the block brought back beside them. A bytes window alone (two of the largest
+# storage) let a transformer block's small storages all come back at once while the MLP's wide
+# ones were in use: on the CPU blocks stack (issue 17's 8 blocks, gradients freed each step)
+# offloading everything peaked in block 0's GELU backward 7 block inputs above torch's
+# save_on_cpu (which reloads a tensor as it is unpacked and holds nothing ahead), as on the
+# H200 (2.002 against 1.563 GiB), and exactly at the checkpoint-every-block floor; two
+# storages ahead hold 2 block inputs above save_on_cpu there (one storage: 1), and a reload
+# still overlaps the backward of the op or two before its use.
+RELOAD_STORAGES = 2
 
 # A view is moved with its whole storage (q, k and v of one qkv projection travel as one
 # storage) unless the storage is more than this many times larger than the view.

@@ -138,20 +138,20 @@ def test_keep_last_holds_the_newest_groups_and_skips_their_copies():
     assert seen[2][1] == pytest.approx(seen[0][1] * 6 / 8, rel=0.01)
 
 
-def test_the_default_profile_leaves_out_an_offload_run_no_plan_would_choose(profiled, monkeypatch):
-    """Planning time (issue 18): here a block saves ~140 MB, about 3 ms of copies each way, and
-    computes in well under 1 ms: offloading whole blocks is slower than full_offload on every
-    block and holds no less, so the default profile does not run it, nor pins its buffers. The
-    smallest plan is no larger without it."""
+def test_the_default_profile_runs_offload_where_its_backward_may_hold_less(profiled):
+    """Planning time (issue 18) left out the offload run where its copies outrun full_offload on
+    every block and it holds no less. Here a block saves ~140 MB, about 3 ms of copies each way,
+    and computes in well under 1 ms, but in backward an offloaded block holds the storages its
+    ops use and two more (`RELOAD_STORAGES`), where full_offload's recompute brings the whole
+    block back: with every block's gradients allocated in block 0's backward, offloading
+    everything peaks below checkpointing (issue 17), so the default profile runs it. (Left out
+    where no block saves more than three storages: tests/plan/test_profile.py.)"""
     _, _, named = profiled
-    made, pools = watch_host_pools(monkeypatch)
     model, x = small_blocks()
     prof = profile(model, ("Block",), x, apply=apply)
-    assert "offload" not in prof.choices() and "full_offload" in prof.choices(), prof.notes
-    assert any(n.startswith("offload: not run") for n in prof.notes)
-    block_input = 4 * 1024 * 1024 * 2
-    assert sum(n for n, _ in made) <= 8 * 2 * block_input, made  # full_offload's inputs, spares
-    assert smallest_peak(prof) <= 1.02 * smallest_peak(named)
+    assert "offload" in prof.choices(), prof.notes
+    assert not any(n.startswith("offload: not run") for n in prof.notes)
+    assert named.measured["offload"]["peak"] < named.measured["full"]["peak"]
     assert named.measured["offload"]["step_ms"] > named.measured["full_offload"]["step_ms"]
 
 

@@ -320,6 +320,24 @@ def test_the_offload_run_is_left_out_only_where_its_copies_outrun_full_offload(s
     assert not _offload_outrun(runs, [[int(edge)]] * 3, (50.0, 50.0), strict)
 
 
+def test_the_offload_run_is_kept_where_a_block_saves_more_storages_than_backward_holds_ahead():
+    """The same copies outrun full_offload, but one block saves four storages: offloaded, its
+    backward holds those its ops use and `RELOAD_STORAGES` (2) more, where full_offload's
+    recompute brings all four back, so offload may be the only choice under a lower budget
+    (issue 17's blocks stack, block 0) and its run is needed. The last block does not count:
+    its group stays on the device."""
+    from actcfg.plan.cost import Run
+    from actcfg.plan.profile import _offload_outrun
+    from actcfg.runtime.offload import RELOAD_STORAGES
+
+    keep = Run(_reading([3.0] * 3, [6.0] * 3), [0] * 3)
+    runs = {"keep": keep, "full_offload": Run(_reading([3.0] * 3, [9.0] * 3), [0] * 3)}
+    few = [175_000_000] * (RELOAD_STORAGES + 1)
+    many = [140_000_000] * (RELOAD_STORAGES + 2)
+    assert _offload_outrun(runs, [few, few, many], (50.0, 50.0), False, False)
+    assert not _offload_outrun(runs, [few, many, few], (50.0, 50.0), False, False)
+
+
 def test_without_an_offload_device_offload_is_no_choice():
     model, x = chain(2)
     prof = profile(model, ("Layer",), x, apply=apply)
