@@ -124,7 +124,7 @@ def plan_model(model: Any, policy: Policy, inputs: Any, *, loss_fn: Any = None, 
                                 loss_fn=checked if steps is None else steps.loss(checked), apply=apply,
                                 pin=policy.pin, pin_budget=policy.pin_budget, compile=policy.compile,
                                 submodules=policy.checkpoint.submodules, strict=across,
-                                outputs_held=outputs_held)
+                                outputs_held=outputs_held, budget=policy.memory_budget)
     except Exception as e:
         if steps is not None and steps.settled:
             raise  # the ranks agreed at a step's loss: every rank raises this now

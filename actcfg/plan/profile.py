@@ -448,8 +448,26 @@ OUTRUN = 1.1
 measured step on every block (a margin over that step's noise)."""
 
 
+def _slower_and_not_needed(runs: dict[str, Run], sizes: Sequence[Sequence[int]],
+                           bandwidth: tuple[float, float] | None, strict: bool,
+                           budget: int | None, grads: int) -> bool:
+    """True when the offload run is slower than full_offload on every block (`_offload_outrun`'s
+    time test, without its test of what offload holds) and `budget` (the policy's
+    `memory_budget`) fits a run already measured with `grads` (the trainable parameters'
+    bytes) to spare, so a plan fits without it (a uniform run fits to the byte; the spare
+    covers the gradients a plan's terms may add: a previous step's through the forward, a
+    later micro-batch's). Offload could still lower a block's backward below its recompute (see
+    `_offload_outrun`) and so let another block keep instead of recompute; that is a plan not
+    looked for, not one over its budget, and the run it would take is several plain steps (an
+    H200 GPT-2: about 13; issue 18's planning is held to 20). Not on several ranks."""
+    if budget is None or strict or not any(r.step.peak + grads <= budget for r in runs.values()):
+        return False
+    return _offload_outrun(runs, sizes, bandwidth, strict, held_tested=False)
+
+
 def _offload_outrun(runs: dict[str, Run], sizes: Sequence[Sequence[int]],
-                    bandwidth: tuple[float, float] | None, strict: bool) -> bool:
+                    bandwidth: tuple[float, float] | None, strict: bool,
+                    held_tested: bool = True) -> bool:
     """True when no plan would choose `offload` for any block, so its run is left out: on every
     block, offloading what it saves takes longer than full_offload's step, even with the copies
     wholly hidden behind keep's compute at the measured bandwidth; and full_offload holds no more
@@ -478,7 +496,8 @@ def _offload_outrun(runs: dict[str, Run], sizes: Sequence[Sequence[int]],
     keep = runs.get("keep")
     if strict or bandwidth is None or keep is None or min(bandwidth) <= 0:
         return False
-    if any(sum(n >= MIN_OFFLOAD_BYTES for n in per) > RELOAD_STORAGES + 1 for per in sizes[:-1]):
+    if held_tested and any(sum(n >= MIN_OFFLOAD_BYTES for n in per) > RELOAD_STORAGES + 1
+                           for per in sizes[:-1]):
         # Its backward may hold less than full_offload's: the engine reloads at most
         # RELOAD_STORAGES storages ahead of their use, each freed as its op is done, where the
         # recompute brings the whole block back; slower, offload may still be the only choice
@@ -516,6 +535,7 @@ def profile(
     submodules: str | Sequence[str] = "none",
     strict: bool = False,
     outputs_held: bool = True,
+    budget: int | None = None,
 ) -> Profile:
     """Profile one training step of `model` on `inputs` per candidate (`modules`: fnmatch
     patterns) under each choice; `apply` applies a concrete policy (`actcfg.api` passes it).
@@ -535,7 +555,9 @@ def profile(
     default: a plan should cost no more than 20 plain steps (issue 18), and the memory a probed
     step reads is the same in the next; its time is the unprobed step's, whose noise on an
     H200 is about 1%. Without `choices`, the offload run is left out where it cannot be chosen
-    (`_offload_outrun`); choices named are all run."""
+    (`_offload_outrun`), and, given `budget` (the policy's `memory_budget`), where it is
+    slower than full_offload on every block and a run already measured fits the budget
+    (`_slower_and_not_needed`); choices named are all run."""
     started = time.perf_counter()
     spent: list[float] = []
     compiled = compile is not None
@@ -652,6 +674,15 @@ def profile(
                             "measured step of full_offload, which holds no more (no block saves more "
                             "storages than its backward holds reloaded); not a choice")
                         continue
+                    if choice == "offload" and judged and _slower_and_not_needed(
+                            runs, sizes, bandwidth, strict, budget,
+                            sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)):
+                        notes.append(
+                            "offload: not run: on every block its copies alone take longer than the "
+                            "measured step of full_offload, and memory_budget fits a run already "
+                            "measured; it could only lower a block's backward, at the cost of a "
+                            "profiled step that is several plain ones")
+                        continue
                     warmed = _Warmed(counter=lambda: timing.calls)
 
                     def counted_first(choice: str = choice) -> None:
@@ -701,7 +732,8 @@ def profile(
                         # block inputs are known after full's run then (its count is in it).
                         outrun = "offload" not in wanted or (
                             judged and "full_offload" in wanted
-                            and _offload_outrun(runs, sizes, bandwidth, strict))
+                            and (_offload_outrun(runs, sizes, bandwidth, strict)
+                                 or (budget is not None and not strict)))
                         copied = inputs if outrun else sizes
                         pool.prepare(n for per in copied[:-1] for n in per if n >= MIN_OFFLOAD_BYTES)
                 closing = time.perf_counter()
