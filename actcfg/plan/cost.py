@@ -7,7 +7,7 @@ before it hold (and, in forward, what they left until the turn), and the recompu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from actcfg.plan.model import CHOICE_OF, CHOICE_TABLE, CHOICES, COUNTERPART, OFFLOADS, BlockProfile, Option, Profile
 from actcfg.plan.probe import StepReading
@@ -29,6 +29,8 @@ class Run:
     reload_waits: list[bool] = field(default_factory=list)
     """Per block, whether the engine reloaded the block below only past this block's recompute
     peak in the run's last step (`OffloadStats.deferred_groups`); empty: none did."""
+    moved_last: list[int] = field(default_factory=list)
+    """Per block, the bytes its last group moved (`Option.moved_last`); empty: not counted."""
 
 
 def _memory_notes(runs: dict[str, Run], cuda: bool) -> list[str]:
@@ -71,6 +73,7 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
     if estimated_keep:  # a full recompute is one forward: the plain backward is the rest
         backward_ms = [max(0.0, g - f) for g, f in zip(backward_ms, forward_ms)]
     moved = {c: runs[c].moved if c in runs else [0] * n for c in CHOICES}
+    moved_last = {c: runs[c].moved_last if c in runs and runs[c].moved_last else [-1] * n for c in CHOICES}
     hold: dict[str, list[int]] = {"keep": held["keep"]}
     for c in ("full", "selective", "split"):
         if c in held:
@@ -105,7 +108,9 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
     # What the model adds above the blocks' held bytes for each uniform run (copies in flight,
     # reloads), from solve's own terms: measured minus these is what each option records.
     copies_only = Profile(
-        blocks=tuple(BlockProfile(name, f, 0.0, {c: Option(held=0, moved=moved[c][b]) for c in CHOICES},
+        blocks=tuple(BlockProfile(name, f, 0.0,
+                                  {c: Option(held=0, moved=moved[c][b], moved_last=moved_last[c][b])
+                                   for c in CHOICES},
                                   reload_waits=waits[b], reload_ahead=ahead[b])
                      for b, (name, f) in enumerate(zip(names, forward_ms))),
         plain_step_ms=0.0, plain_peak=0, turn_peak=0, forward_after_ms=0.0, backward_before_ms=0.0,
@@ -133,7 +138,7 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
                 recompute = 0.0
             options[b][c] = Option(held=hold[c][b], moved=moved[c][b], forward_peak=max(0, fwd),
                                    backward_peak=max(0, bwd), recompute_ms=recompute, extra_ms=recompute,
-                                   left=lasts[c][b])
+                                   left=lasts[c][b], moved_last=moved_last[c][b])
     # The turn in two parts: until the model's forward returns, with what the blocks left, and
     # after, without it (under autocast the casts go as its region ends with the forward: a
     # GPT-2 under CPU autocast, after them on a kept last block, over-predicted checkpointed
@@ -186,8 +191,7 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
         extra = (runs[c].step.step_ms - predict(base, (c,) * n, 1)[0]) / n
         for b in range(n):
             o = options[b][c]
-            options[b][c] = Option(o.held, o.moved, o.forward_peak, o.backward_peak, o.recompute_ms,
-                                   o.recompute_ms + extra, o.left)
+            options[b][c] = replace(o, extra_ms=o.recompute_ms + extra)
     for b in range(n):
         for c in list(options[b]):
             o = options[b][c]
@@ -196,8 +200,7 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
             if twin in options[b]:  # an offload never costs less than its on-device twin
                 floor = max(floor, options[b][twin].extra_ms + MIN_EXTRA_MS)
             if o.extra_ms < floor:
-                options[b][c] = Option(o.held, o.moved, o.forward_peak, o.backward_peak, o.recompute_ms, floor,
-                                       o.left)
+                options[b][c] = replace(o, extra_ms=floor)
     out = Profile(
         blocks=tuple(BlockProfile(name, f, g, opts, ps, w, a)
                      for name, f, g, opts, ps, w, a in zip(names, forward_ms, backward_ms, options, parts, waits,

@@ -109,6 +109,12 @@ class Option:
     what it made that something other than autograd holds until the forward ends (under
     autocast, the casts of weights it does not save, cached until the autocast region ends).
     Every later block's forward and the turn see it; no backward does."""
+    moved_last: int = -1
+    """Of `moved`, the bytes of the block's last offload group: what the engine reloads while
+    the block above runs its backward (it reloads one group ahead). A choice on parts moves each
+    part as a group of its own, so only its last part's inputs come back that early (the CPU
+    blocks stack: 4 of a split_offload block's 8 block inputs); any other choice is one group.
+    -1: not measured, all of `moved`."""
 
 
 @dataclass(frozen=True)

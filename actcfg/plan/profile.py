@@ -399,15 +399,18 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
         else:
             unprobed = unprobed_steps()
         moved = [0] * len(names)
+        moved_last = [0] * len(names)
         waits = [False] * len(names)
         if handle.engine is not None:
             # Groups open at the modules the rule takes: a choice on parts (`split_offload`)
-            # moves its bytes in groups named after the parts, which count to their block.
+            # moves its bytes in groups named after the parts, which count to their block; its
+            # last part's group is the one reloaded while the block above runs its backward.
             block_of = {n: b for b, n in enumerate(names)}
-            for g in handle.offload_groups():
+            for g in handle.offload_groups():  # in group order
                 b = _block_of(g["module"], block_of)
                 if b is not None:
                     moved[b] += g["offloaded_bytes"]
+                    moved_last[b] = g["offloaded_bytes"]
             # The blocks whose recompute the reload below waited past, in the last step (the
             # first may differ: a lone Linear's signal misses once, then it reloads at once).
             for index in handle.engine.stats.deferred_groups or ():
@@ -431,7 +434,7 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
         last.forward_after_ms *= scale
         last.backward_before_ms *= scale
         last.step_ms *= scale
-    return Run(last, moved, waits)
+    return Run(last, moved, waits, moved_last)
 
 
 def _block_of(module: str, block_of: dict[str, int]) -> int | None:

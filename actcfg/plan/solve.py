@@ -17,11 +17,14 @@ the sum of their `held`; M_b: bytes block b copies each way; d_b, h_b: those cop
   last leaves storage by storage, at most W = `window_storages` x `largest_storage` x
   `max_inflight` bytes in flight; the last offloaded block (the group that stays for backward)
   holds its storages to its end (its forward peaks as its on-device twin's) and leaves whole,
-  with at most one copy in flight under it. In
+  with at most one copy in flight under it; a choice on parts never does (each part is a group
+  of its own: only its last part's, its inputs, leaves whole, at that part's end, as in its
+  uniform run). In
   flight during b's forward: block b-1's copy (within W, or whole for the last offloaded
   block), and block b-2's if it is still running (its copy is longer than block b-1's forward,
   and nothing waited for it); a copy that takes no time (the host loopback's) is done at once.
-  Reloads ahead during b's backward: block b-1's storages (none where b recomputes and the
+  Reloads ahead during b's backward: block b-1's storages (of a choice on parts, its last
+  part's only, `moved_last`: the engine reloads one group ahead; none where b recomputes and the
   engine reloads them only past its recompute's peak, `reload_waits`: measured per block in the
   uniform full_offload run), and b's own where it offloads without recompute, within `window_storages` x `largest_storage` (one prefetch)
   and, of each block, its `reload_ahead` (its two largest storages: the engine holds at most
@@ -139,8 +142,11 @@ class Plan:
 LAST = "!"
 """Marks, inside the model, an offload choice on the last block that offloads (`full_offload!`):
 the engine copies that block whole at its end (it opens as the group that stays for backward)
-and every earlier offloaded block storage by storage, so the copy terms differ. Never in a
-plan's choices."""
+and every earlier offloaded block storage by storage, so the copy terms differ. Never on a
+choice on parts (`split_offload`): its parts are groups of their own, all but the last leave
+storage by storage, and the last (its inputs) leaves whole at that part's end, inside the
+block, as every block's last part does in the choice's uniform run. Never in a plan's
+choices."""
 
 
 def _base(c: str | None) -> str | None:
@@ -159,10 +165,10 @@ _BASES: dict[str | None, str | None] = {}  # label -> choice: the solver asks fo
 
 
 def _labels(choices: tuple[str, ...] | list[str]) -> list[str]:
-    """`choices` with the last offloaded block marked (see `LAST`)."""
+    """`choices` with the last offloaded block marked (see `LAST`; not a choice on parts)."""
     out = list(choices)
     offloaded = [i for i, c in enumerate(out) if c in OFFLOADS]
-    if offloaded:
+    if offloaded and not CHOICE_OF[out[offloaded[-1]]].parts:
         out[offloaded[-1]] += LAST
     return out
 
@@ -199,6 +205,15 @@ class _Terms:
 
     def moved(self, b: int, c: str | None) -> int:
         return self.opt(b, c).moved if self.offloads(c) else 0
+
+    def moved_last(self, b: int, c: str | None) -> int:
+        """Bytes of block b's copy (choice c) in its last group, the one the engine reloads
+        while the block above runs its backward (one group ahead): a choice on parts moves each
+        part as a group of its own (`Option.moved_last`); any other, one group."""
+        if not self.offloads(c):
+            return 0
+        o = self.opt(b, c)
+        return o.moved if o.moved_last < 0 else min(o.moved_last, o.moved)
 
     def d2h(self, b: int, c: str | None) -> float:
         return self.p.copy_ms(self.moved(b, c), to_host=True)
@@ -240,8 +255,9 @@ class _Terms:
     def reload_ahead(self, b: int, p1: str | None, c: str | None = None) -> int:
         """Reloads on the device ahead of their use while block b (choice c) runs backward
         (b = n: at the turn, as the head's backward unpacks what it saved). Whole blocks: block
-        b-1's, started as block b's backward does. Storage by storage, the engine reloads the
-        storages of the block in use and of the one below, newest first, within its backward
+        b-1's, started as block b's backward does (its last group's: `moved_last`). Storage by
+        storage, the engine reloads the storages of the block in use and of the one below (its
+        last group: one group ahead), newest first, within its backward
         window (`window_storages` of the largest storage), which block b's own storages share
         with block b-1's until they are used: an offload without recompute uses its storages
         one by one through its backward, a checkpoint's inputs are all used as its recompute
@@ -249,7 +265,7 @@ class _Terms:
         b recomputes whole and the engine waits past its recompute's peak to reload block b-1
         (`reload_waits`), none of block b-1's is ahead."""
         base = _base(c)
-        below = self.moved(b - 1, p1) if b >= 1 else 0
+        below = self.moved_last(b - 1, p1) if b >= 1 else 0
         if base is not None and b < self.n and CHOICE_OF[base].parts:
             # Its parts are groups of their own: the group below the part in use is the block's
             # own earlier part (its reload is in the measured `backward_peak`), and block b-1's
@@ -384,7 +400,7 @@ class _Terms:
             return [(c, phase)]
         if phase == 2:
             return []
-        return [(c, 1), (c + LAST, 2)]
+        return [(c, 1), (c if CHOICE_OF[c].parts else c + LAST, 2)]
 
 
 def uniform_copies(profile: Profile, choice: str) -> tuple[list[int], list[int], int]:

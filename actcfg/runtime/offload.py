@@ -69,7 +69,12 @@ fastest offload runtimes do (../shared/reference/BACKENDS.md section 3):
   beforehand (FSDP2 swaps parameters for sharded ones and frees their storage between forward
   and backward): parameters and views of them, leaves that require grad (their owner holds them
   anyway), the module's buffers, tensor subclasses (DTensor, ...), non-strided layouts, tensors
-  on another device, and tensors under `min_offload_bytes`. Each is version-checked on unpack,
+  on another device, tensors under `min_offload_bytes`, and views of a storage that a tensor
+  saved in place earlier in the step holds (`shared`: a gap between groups saved it first, as a
+  block checkpointed part by part saves its attention's output between its parts, and the next
+  part saves it again as its input; moved, it would free nothing, and its reload would be a
+  second device copy beside it). Not the other order: a storage a group moved, saved in place
+  later, was moved for nothing. Each is version-checked on unpack,
   as autograd would: an in-place change after saving raises instead of giving wrong gradients An
   offloaded storage is checked when its copy starts and when its device memory is released; a
   change queued after that release runs after the copy, which keeps the values saved (the right
@@ -598,6 +603,10 @@ class OffloadEngine:
         self._pending: _Chunk | None = None  # an eager group's newest storage, not yet sent
         self._largest_sent = 0  # the largest storage copied to the host in this step
         self._chunks: dict[int, _Chunk] = {}
+        # Storages of offloadable size that a tensor saved in place holds on the device in this
+        # step (by address, weakly): a view of one saved later into a group that offloads stays
+        # too (`_held_in_place`).
+        self._in_place: dict[int, StorageWeakRef] = {}
         # Checkpointed groups in backward whose reload of the group below waits for their
         # module's gradients (`GradProgress`); settled when the signal comes or a lower group
         # is needed first.
@@ -738,6 +747,7 @@ class OffloadEngine:
         self._largest_sent = 0
         self._open = self._new_group(True, gap=False)
         self._chunks = {}
+        self._in_place = {}
 
     def _end_step(self, *, judge: bool) -> None:
         # The copies still in flight are waited for (on the compute stream) and their memory
@@ -781,6 +791,7 @@ class OffloadEngine:
         self._step = self._open = None
         self._owner = None
         self._chunks = {}
+        self._in_place = {}
         if judge:
             self._warn_if_no_effect()
 
@@ -826,15 +837,17 @@ class OffloadEngine:
         if not group.offload:  # kept by the policy's choice (a rule, or a gap between groups)
             group.kept_bytes += nbytes
             st.kept_by_rule(nbytes)
-            return _Kept(tensor, group, seq)
+            return self._kept_in_place(tensor, group, seq)
         if nbytes < self.min_offload_bytes:
             group.kept_bytes += nbytes
-            return _Kept(tensor, group, seq)
+            return self._kept_in_place(tensor, group, seq)
         reason = stays(tensor, self.device, self._buffers, self._inputs)
+        if reason is None and self._held_in_place(tensor.untyped_storage()):
+            reason = "shared"  # a tensor saved in place holds its storage: moving it frees nothing
         if reason is not None:
             st.kept_for(reason, nbytes)
             group.kept_bytes += nbytes
-            return _Kept(tensor, group, seq)
+            return self._kept_in_place(tensor, group, seq)
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
         chunk = self._chunks.get(ptr)
@@ -850,7 +863,7 @@ class OffloadEngine:
                 # data, and a copy of the view alone would change its layout. It stays.
                 st.kept_for("view", nbytes)
                 group.kept_bytes += nbytes
-                return _Kept(tensor, group, seq)
+                return self._kept_in_place(tensor, group, seq)
             if group.eager:
                 # A new storage: the one saved before it is complete (the views one op saves of
                 # a storage, q, k and v say, come one after another), so it leaves now.
@@ -864,6 +877,25 @@ class OffloadEngine:
         saved.foreign = chunk.group is not group
         chunk.views.append(weakref.ref(saved))
         return saved
+
+    def _kept_in_place(self, tensor: torch.Tensor, group: _Group, seq: int) -> _Kept:
+        """`tensor` stays where it is: so does its storage, for every later save in this step
+        (a plain tensor's on this device: a subclass's storage may not be read)."""
+        if type(tensor) is torch.Tensor and tensor.layout is torch.strided and tensor.device == self.device:
+            storage = tensor.untyped_storage()
+            if storage.nbytes() >= self.min_offload_bytes:
+                self._in_place[storage.data_ptr()] = StorageWeakRef(storage)
+        return _Kept(tensor, group, seq)
+
+    def _held_in_place(self, storage: torch.UntypedStorage) -> bool:
+        """Whether a tensor saved in place earlier in this step holds `storage` on the device.
+        Moving it then frees nothing: the copy out and back costs both ways, and its reload in
+        backward is a second device copy beside the one that never left. A block checkpointed
+        part by part saves its attention's output in place (the block's own op, between its
+        parts) and again as the next part's input: offloaded there, one block input each
+        split_offload block held above what it counted as moved."""
+        known = self._in_place.get(storage.data_ptr())
+        return known is not None and not known.expired() and known.cdata == storage._cdata
 
     def _send_pending(self) -> None:
         """Launch the copy of the newest storage of an eager group, once the copies in flight

@@ -53,7 +53,8 @@ class OffloadStats:
     kept_bytes_by_reason: dict[str, int] | None = None
     """Bytes of saved tensors of `min_offload_bytes` or more that stayed in place in the last
     step, by reason: `parameter`, `leaf`, `buffer`, `input` (the caller's batch), `subclass`,
-    `layout`, `device`, `view`."""
+    `layout`, `device`, `view`, `shared` (a storage a tensor saved in place earlier in the step
+    holds: moving it would free nothing)."""
     offloaded_bytes: int = 0
     """Bytes copied to the host in the last step."""
     offloaded_tensors: int = 0

@@ -15,6 +15,7 @@ import torch
 
 from actcfg.api import apply
 from actcfg.plan import Profile, plan_policy, predict, solve
+from actcfg.plan.model import OFFLOADS
 from actcfg.plan.profile import measure_steps, profile
 from actcfg.plan.solve import Plan
 from actcfg.policy.schema import Policy
@@ -27,6 +28,7 @@ from _helpers import tiny_llama
 pytestmark = pytest.mark.slow
 
 SMALL = 1 << 14  # min_offload_bytes for these stacks: a block input is 64 KiB or more
+LLAMA_ROTARY = 2 * 256 * 64 * 4  # the Llama's cos and sin: (1, 256, head_dim 64) float32 each
 UNEVEN_FFN = (64, 512, 128, 1024, 256, 64)  # hidden widths, one per block
 
 
@@ -109,34 +111,65 @@ def test_the_solvers_plans_are_predicted_within_5_percent_and_fit(profiled, frac
     # Within the budget to 0.01%: a plan fills its budget to the byte, and on the loopback Llama
     # a step measured 2 KiB (one (2, 256) float32) above a plan's prediction that no per-block
     # term showed (held, forward and backward peaks matched to the byte); not found yet.
-    # Known, open: split_offload is under-predicted, by one block input where the block is
-    # below the last offloaded one (test_split_offload_below_the_last_offloaded_block_holds_one_
-    # input_more, a strict xfail), by 5056 bytes (0.1%) where it was the last (CI, 2026-12-02);
-    # plans are chosen by measured times, so whether one comes up here depends on the
-    # machine's load. Allowed for here by one block input per split_offload block, no more.
-    known = plan.choices.count("split_offload")
-    assert measured <= budget * 1.0001 + known * _block_input(inputs), (plan.choices, measured, budget)
+    # Plans are chosen by measured times, so which choices come up here depends on the
+    # machine's load: split_offload wherever it may sit is pinned below. Open: on the Llama,
+    # an offload at layer 0 under a layer that keeps the rotary tables in place holds 128 KiB
+    # (0.23%) more than predicted (the strict xfail below); no plan here has taken it yet.
+    assert measured <= budget * 1.0001, (plan.choices, measured, budget)
     assert plan.peak == pytest.approx(measured, rel=0.05), plan.choices
 
 
-def _block_input(inputs: Any) -> int:
-    """Bytes of one block input on the stacks whose input is a tensor (the blocks, uneven); 0
-    for the Llama, whose split_offload plans the gap above has not been seen on."""
-    return inputs.numel() * inputs.element_size() if isinstance(inputs, torch.Tensor) else 0
+def _split_offload_mixes(n: int) -> list[tuple[str, ...]]:
+    """split_offload below the last offloaded block (its held bytes under every block above),
+    as the last offloaded block (its parts leave as they end, not the block whole at its end),
+    under kept blocks (which reload its last part only, one group ahead) and beside recomputes."""
+    return [("split_offload",) + ("keep",) * (n - 1),
+            ("split_offload",) * 2 + ("keep",) * (n - 2),
+            ("keep",) * (n - 1) + ("split_offload",),
+            ("full",) * (n - 2) + ("split_offload", "keep"),
+            ("split_offload", "keep") * (n // 2),
+            ("split_offload", "split") * (n // 2)]
 
 
-@pytest.mark.xfail(strict=True, reason="open: a split_offload block below the last offloaded "
-                                       "block holds one block input more than predicted")
-def test_split_offload_below_the_last_offloaded_block_holds_one_input_more(profiled):
-    """Found by the test above on a loaded CI machine (2026-12-02): on the CPU blocks stack,
-    (split_offload, keep x 7) measured 8384776 bytes against 8319240 predicted, one block
-    input (65536) more, and (split_offload, split_offload, keep x 6) two; the same at the
-    session's start (318aaff), so not the deferred reload. A plan with such a block can pass
-    its budget by that much. When the model counts it, this passes and the mark comes off."""
+def test_split_offload_is_predicted_as_measured_wherever_it_sits(profiled):
+    """Found by the plans test above on a loaded CI machine (2026-12-02): on the CPU blocks
+    stack, (split_offload, keep x 7) measured 8384776 bytes against 8319240 predicted, one block
+    input more, and (split_offload, split_offload, keep x 6) two: the engine moved each block's
+    attention output, which the block's own attention op holds in place, as its output
+    projection's input, and the profile read it as moved (it stays now, `shared`). With it
+    counted, the mixes that kept split_offload blocks below kept ones came out 3-5% over: only
+    the last part's group comes back under the block above (one group ahead), and a
+    split_offload block that is the last offloaded leaves part by part, not whole at its end."""
     name, model, inputs, modules, prof = profiled
-    if name != "blocks":
-        pytest.skip("measured on the blocks stack")
-    choices = ("split_offload", "split_offload") + ("keep",) * 6
+    for choices in _split_offload_mixes(len(prof.blocks)):
+        predicted = predict(prof, choices)[1]
+        measured = _measured(model, inputs, modules, prof, choices)
+        if name != "llama":
+            assert predicted == measured, (choices, predicted, measured)  # LiveBytes: to the byte
+        else:  # the loopback Llama's unexplained 2 KiB, and its rotary tables where layer 0
+            # moves them and a layer above keeps them in place (the xfail below), no more
+            kept_above = choices[0] in OFFLOADS and any(c not in OFFLOADS for c in choices[1:])
+            open_gap = 2048 + (LLAMA_ROTARY if kept_above else 0)
+            assert measured - open_gap <= predicted <= measured * 1.05, (choices, predicted, measured)
+
+
+@pytest.mark.xfail(strict=True, reason="open: the Llama's rotary cos/sin, moved by layer 0's "
+                                       "group and saved in place by a later layer, stay on the "
+                                       "device where the model counts them moved")
+def test_a_storage_moved_by_the_first_block_and_saved_in_place_above_is_counted(profiled):
+    """The Llama gives every layer the rotary cos/sin (two (1, 256, 64) float32, half a block
+    input), saved first by layer 0. Where layer 0 offloads (its self_attn part's input under
+    split_offload) the profile counts them moved; a layer above that keeps them in place (keep,
+    split, full: a checkpoint saves its inputs) holds them on the device through backward, and
+    neither block's held bytes count them: (split_offload, keep x 7) measured 55898120 bytes
+    against 55767048 predicted (131072 under, 0.23%), as did split_offload at layer 0 beside
+    split. The engine cannot free them (the layer above holds them by its own choice); the
+    model would have to count them to the first layer that keeps them, a term that reaches
+    past the neighbours its program tracks. When it does, this passes and the mark comes off."""
+    name, model, inputs, modules, prof = profiled
+    if name != "llama":
+        pytest.skip("a storage every block is given: the Llama's rotary tables")
+    choices = ("split_offload",) + ("keep",) * (len(prof.blocks) - 1)
     assert _measured(model, inputs, modules, prof, choices) <= predict(prof, choices)[1]
 
 

@@ -580,3 +580,29 @@ def test_offloading_everything_holds_two_storages_above_a_per_tensor_reload_in_b
     assert grads.keys() == plain.keys()
     for name in plain:
         assert torch.equal(grads[name], plain[name]), name
+
+
+def test_a_storage_saved_in_place_is_not_moved_when_a_part_saves_it_again():
+    """Each part of a block checkpointed with its input offloaded (the planner's split_offload):
+    the attention's output is saved by the block's own op between its parts (what a block saves
+    outside its parts stays) and again by its output projection's part, as that part's input.
+    Moved there it freed nothing (the save in place holds it), cost a copy each way, and its
+    reload put a second copy beside it in backward: on the CPU blocks stack each such block
+    held one block input more than the planner counted as moved. It stays, as `shared`; every
+    other part input leaves (the first block's input is the caller's), and the gradients are
+    those of the plain model."""
+    model, x = _stack()
+    plain = copy.deepcopy(model)
+    one = x.numel() * x.element_size()
+    parts = [f"blocks.*.{p}" for p in ("norm1", "qkv", "proj", "norm2", "fc1", "fc2")]
+    st = _steps(model, x, {"version": 1, "checkpoint": {"mode": "rules", "keep_last": 0, "rules": [
+        {"modules": parts, "mode": "full", "cpu_checkpointing": True}]}})
+    assert st.kept_bytes_by_reason == {"shared": N * one, "leaf": one}
+    # per block: the inputs of norm1, qkv, norm2 and fc1 (one each) and fc2's (ffn 2x d_model)
+    assert st.offloaded_bytes == st.reloaded_bytes == (6 * N - 1) * one
+    assert st.device_bytes == 0
+    got = {n: p.grad for n, p in model.named_parameters()}
+    plain.zero_grad(set_to_none=True)
+    plain(x).square().mean().backward()
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
