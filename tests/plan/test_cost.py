@@ -268,7 +268,7 @@ def test_a_plan_fits_below_the_checkpoint_floor_on_the_blocks_stack(profiled):
     name, model, inputs, modules, prof = profiled
     if name != "blocks":
         pytest.skip("the blocks stack (issue 17's)")
-    n, one = len(prof.blocks), _block_input(inputs)
+    n, one = len(prof.blocks), inputs.numel() * inputs.element_size()
     floor = predict(prof, ("full",) * n)[1]  # checkpointing every block: its recompute of block 0
     lowest = predict(prof, ("offload",) * n)[1]
     assert lowest <= floor - 5 * one
@@ -276,6 +276,5 @@ def test_a_plan_fits_below_the_checkpoint_floor_on_the_blocks_stack(profiled):
     plan = solve(prof, budget)
     assert plan.peak <= budget < floor
     measured = _measured(model, inputs, modules, prof, plan.choices, plan.max_inflight)
-    known = plan.choices.count("split_offload")  # the open gap of the test above
-    assert measured <= budget * 1.0001 + known * one, (plan.choices, measured, budget)
+    assert measured <= budget * 1.0001, (plan.choices, measured, budget)
     assert plan.peak == pytest.approx(measured, rel=0.05), plan.choices
