@@ -284,7 +284,9 @@ def test_on_the_gpu_a_compiled_plan_fits_its_budget_with_plain_gradients(scope):
         calls = handle.plan.parts_steps
         runs = [c for c in calls if c not in ("counts", "warm_ups", "measured_whole")]
         assert calls["counts"] == 3 and calls["keep"] == 2, calls
-        assert all(calls[c] in (1, 2) for c in runs) and calls["warm_ups"] >= len(runs), calls
+        # A run whose graphs the cache already held (full_offload's, after full's) compiles
+        # nothing and is read at its first step (docs/compile.md, open): one warm-up fewer.
+        assert all(calls[c] in (1, 2) for c in runs) and calls["warm_ups"] >= len(runs) - 1, calls
         assert ("measured_whole" in calls) == (scope == "model")  # two steps per plan measured whole
         _, peak = measure_steps(model, x, loss_fn=loss)
         assert peak <= budget, (peak, budget, handle.plan.summary())
