@@ -76,6 +76,10 @@ def group_of_ranks(group: Any = None) -> Any:
 
 
 def _worst_option(options: Sequence[Option]) -> Option:
+    # `moved_last` -1 means all of `moved` (not measured): read as that before the largest,
+    # or a rank's -1 would lose to another's smaller measured share
+    if any(o.moved_last >= 0 for o in options):
+        options = [dataclasses.replace(o, moved_last=o.moved) if o.moved_last < 0 else o for o in options]
     return Option(**{f.name: max(getattr(o, f.name) for o in options)
                      for f in dataclasses.fields(Option)})
 
