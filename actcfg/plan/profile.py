@@ -685,7 +685,8 @@ def profile(
                         continue
                     if choice == "offload" and judged and _slower_and_not_needed(
                             runs, sizes, bandwidth, strict, budget,
-                            sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)):
+                            sum(getattr(p, "ds_numel", p.numel()) * p.element_size()  # ZeRO-3: whole
+                                for p in model.parameters() if p.requires_grad)):
                         notes.append(
                             "offload: not run: on every block its copies alone take longer than the "
                             "measured step of full_offload, and memory_budget fits a run already "
