@@ -109,11 +109,10 @@ class _OpOutputs(TorchDispatchMode):
                         self.made[storage.data_ptr()] = (i, storage.nbytes())
         return result
 
-    def passed_on(self, n: int, modules: Sequence[nn.Module]) -> tuple[list[int], list[Any]]:
-        """Per candidate, the bytes of counted outputs of earlier candidates it takes as inputs
-        (a lone Linear's output is the next one's input); with the hooks that count them."""
-        into = [0] * n
-
+    def count_passed_on(self, modules: Sequence[nn.Module], into: list[int]) -> list[Any]:
+        """Adds to `into`, per candidate, the bytes of counted outputs of earlier candidates it
+        takes as inputs (a lone Linear's output is the next one's input); returns the hooks
+        that count them."""
         def taking(j: int) -> Callable[..., None]:
             def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
                 for t in tree_flatten((args, kwargs))[0]:
@@ -125,9 +124,8 @@ class _OpOutputs(TorchDispatchMode):
                         into[j] += made[1]
                         del self.made[t.untyped_storage().data_ptr()]
             return hook
-        handles = [m.register_forward_pre_hook(torch.compiler.disable(taking(j)), with_kwargs=True)
-                   for j, m in enumerate(modules)]
-        return into, handles
+        return [m.register_forward_pre_hook(torch.compiler.disable(taking(j)), with_kwargs=True)
+                for j, m in enumerate(modules)]
 
 
 class _Created(TorchDispatchMode):
@@ -196,11 +194,11 @@ def saved_bytes(model: nn.Module, modules: Sequence[nn.Module], args: tuple[Any,
     region ends, past the loss inside a Hugging Face model's forward): a checkpointed block
     saves none of them and still holds them all through the rest of the forward. `kept_apart`:
     ops whose outputs the policy keeps by other means (selective checkpointing's saved ops),
-    not left over. `passed_on`, when given (one entry per module, with `save_ops`), gets per
-    module the bytes of the counted outputs of earlier modules it takes as its input: selective
-    checkpointing holds such a storage once, where the counts give it twice (the earlier
-    module's saved output, and the input this module's checkpoint keeps). Eager only: compiled
-    graphs run below the dispatch mode that sees the ops."""
+    not left over. `passed_on`, when given (one entry per module, with `save_ops`), has added to
+    each module's entry the bytes of the counted outputs of earlier modules it takes as its
+    input: selective checkpointing holds such a storage once, where the counts give it twice
+    (the earlier module's saved output, and the input this module's checkpoint keeps). Eager
+    only: compiled graphs run below the dispatch mode that sees the ops."""
     where = _Attribution(modules)
     out = [0] * len(modules)
     seen = _Storages()
@@ -235,15 +233,13 @@ def saved_bytes(model: nn.Module, modules: Sequence[nn.Module], args: tuple[Any,
             mode = _OpOutputs(set(save_ops), where, out, seen) if save_ops else made or contextlib.nullcontext()
             taking: list[Any] = []
             if passed_on is not None and isinstance(mode, _OpOutputs):
-                into, taking = mode.passed_on(len(modules), modules)
+                taking = mode.count_passed_on(modules, passed_on)
             try:
                 with mode:
                     result = model(*args, **kwargs)
             finally:
                 for h in taking:
                     h.remove()
-            if taking:
-                passed_on[:] = into
         del result
     finally:
         where.remove()

@@ -717,9 +717,9 @@ def solve(profile: Profile, budget: int, *, max_inflight: tuple[int, ...] = (1, 
         got = _fastest(terms[m], mixed_budget - grads, choices, bound, most)
         if got is None or _headroom(profile, got[2]) <= MIXED_HEADROOM:
             return got
-        found = [a for a in (_fastest(terms[m], mixed_budget - grads, sparing, bound, most),
+        plans = [a for a in (_fastest(terms[m], mixed_budget - grads, sparing, bound, most),
                              _fastest(terms[m], tight - grads, choices, bound, most)) if a is not None]
-        return min(found, key=lambda a: (a[0], a[1]), default=None)
+        return min(plans, key=lambda a: (a[0], a[1]), default=None)
 
     # the gradients a later micro-batch starts with come on top of every term
     sketch = fastest(tries[0], within, SKETCH)

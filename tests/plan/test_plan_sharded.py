@@ -21,7 +21,9 @@ The `cuda` tests are the one-rank NCCL cases (an H200), FSDP2 and ZeRO-3:
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,19 @@ __all__ = ["ds_env"]
 
 FULL = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]}}
 STEPS = 2
+
+
+@contextlib.contextmanager
+def grad_hooks_fired(params: Any) -> Iterator[list[Any]]:
+    """The parameters whose post-accumulate-grad hooks fire inside (DeepSpeed registers its
+    ZeRO gradient hooks the same way): a profile's backward must fire none."""
+    fired: list[Any] = []
+    watch = [p.register_post_accumulate_grad_hook(lambda p: fired.append(p)) for p in params]
+    try:
+        yield fired
+    finally:
+        for h in watch:
+            h.remove()
 
 
 def auto(budget: int) -> dict[str, Any]:
@@ -316,11 +331,8 @@ def test_zero_plans_engine_module_changes_nothing_the_run_sees_and_trains_as_the
                         getattr(optimizer, "ready_for_gradients", None),
                         optimizer._backward_hook_state.backward_active_depth)
     before, counted, rng = engine_state(engine), counters(), torch.get_rng_state()
-    fired = []
-    watch = [p.register_post_accumulate_grad_hook(lambda p: fired.append(p)) for p in module.parameters()]
-    handle = actcfg.apply(module, auto(budget), inputs=x)
-    for h in watch:
-        h.remove()
+    with grad_hooks_fired(module.parameters()) as fired:
+        handle = actcfg.apply(module, auto(budget), inputs=x)
     taken = deepspeed_backward(module)
     # No gradient hook saw the profile's backward passes (DeepSpeed's are registered the same
     # way as `watch`), and nothing the engine's next step reads moved. The bf16 optimizer
@@ -383,16 +395,13 @@ def test_zero_refuses_a_model_that_checkpoints_reentrantly_and_leaves_no_gradien
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
         config={"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}})
-    fired = []
-    watch = [p.register_post_accumulate_grad_hook(lambda p: fired.append(p)) for p in model.parameters()]
-    with pytest.raises(PlanError, match=r"^the model checkpoints reentrantly \(torch.utils.checkpoint "
-                       r"with use_reentrant=True, .*\), and under the DeepSpeed engine the profile's "
-                       r"backward takes the gradients with torch.autograd.grad, which a reentrant "
-                       r"checkpoint refuses; turn that checkpointing off \(the plan "
-                       r"checkpoints what it needs\) or make it non-reentrant$"):
-        actcfg.apply(engine.module, auto(1 << 30), inputs=x)
-    for h in watch:
-        h.remove()
+    with grad_hooks_fired(model.parameters()) as fired:
+        with pytest.raises(PlanError, match=r"^the model checkpoints reentrantly \(torch.utils.checkpoint "
+                           r"with use_reentrant=True, .*\), and under the DeepSpeed engine the profile's "
+                           r"backward takes the gradients with torch.autograd.grad, which a reentrant "
+                           r"checkpoint refuses; turn that checkpointing off \(the plan "
+                           r"checkpoints what it needs\) or make it non-reentrant$"):
+            actcfg.apply(engine.module, auto(1 << 30), inputs=x)
     assert fired == []  # the reentrant block's inner backward never ran
     assert all(p.grad is None for p in model.parameters())
     assert engine_losses(engine, x, 1)  # the engine still trains
@@ -467,11 +476,8 @@ def test_zero3_on_one_rank_plans_engine_module_changes_nothing_and_trains_as_the
     # between steps: all partitioned, or all persistent ones gathered for good
     assert set(statuses) == {ZeroParamStatus.NOT_AVAILABLE if zero is ZERO3 else ZeroParamStatus.AVAILABLE}
     waiting = [m.__dict__.get("applied_pre_backward_ref_cnt") for m in module.modules()]
-    fired = []
-    watch = [p.register_post_accumulate_grad_hook(lambda p: fired.append(p)) for p in module.parameters()]
-    handle = actcfg.apply(module, auto(budget), inputs=x)
-    for h in watch:
-        h.remove()
+    with grad_hooks_fired(module.parameters()) as fired:
+        handle = actcfg.apply(module, auto(budget), inputs=x)
     # No gradient hook saw the profile's backward passes (ZeRO-3's are registered as `watch`),
     # and nothing the engine's next step reads moved.
     assert fired == []
@@ -577,17 +583,14 @@ def test_zero3_leaf_modules_are_refused_naming_their_backward_hook(ds_env, monke
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
         config={"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3, **ZERO3}})
-    fired = []
-    watch = [p.register_post_accumulate_grad_hook(lambda p: fired.append(p)) for p in model.parameters()]
-    with pytest.raises(PlanError, match=r"^`checkpoint.mode: auto` profiles training steps on the "
-                       r"model as given, and the model is trained by the DeepSpeed engine with "
-                       r"ZeRO-3, with a ZeRO-3 leaf module \(Block: set_z3_leaf_modules .*\), "
-                       r"whose gradients ZeRO-3 reduces in a full backward hook on the module, "
-                       r"which the profile's backward would fire; plan the same model and "
-                       r"micro-batch on one rank under ZeRO-3 without offload_param"):
-        actcfg.apply(engine.module, auto(1 << 20), inputs=x)
-    for h in watch:
-        h.remove()
+    with grad_hooks_fired(model.parameters()) as fired:
+        with pytest.raises(PlanError, match=r"^`checkpoint.mode: auto` profiles training steps on the "
+                           r"model as given, and the model is trained by the DeepSpeed engine with "
+                           r"ZeRO-3, with a ZeRO-3 leaf module \(Block: set_z3_leaf_modules .*\), "
+                           r"whose gradients ZeRO-3 reduces in a full backward hook on the module, "
+                           r"which the profile's backward would fire; plan the same model and "
+                           r"micro-batch on one rank under ZeRO-3 without offload_param"):
+            actcfg.apply(engine.module, auto(1 << 20), inputs=x)
     assert fired == []
     engine.destroy()
 
@@ -804,16 +807,12 @@ def _zero3_two_rank_worker(rank: int, out_dir: str, port: int) -> None:
     init_group(rank, port, deepspeed=True)
     engine, x = engine_of(3, **ZERO3)
     local = x.chunk(WORLD)[rank]
-    fired: list[Any] = []
-    watch = [p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
-             for p in engine.module.parameters()]
-    try:
-        actcfg.apply(engine.module, auto(1 << 30), inputs=local)
-        refused = None
-    except Refused as e:
-        refused = str(e)
-    for h in watch:
-        h.remove()
+    with grad_hooks_fired(engine.module.parameters()) as fired:
+        try:
+            actcfg.apply(engine.module, auto(1 << 30), inputs=local)
+            refused = None
+        except Refused as e:
+            refused = str(e)
     # Refused before any profiled step: no gather or reduction of one rank waits for the other.
     losses = engine_losses(engine, local, 1)
     write_result(out_dir, rank, {"refused": refused, "fired": len(fired), "losses": losses,

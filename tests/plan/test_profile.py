@@ -192,11 +192,8 @@ def test_the_profile_says_where_its_time_went(loopback):
     assert without.parts_steps == {"counts": 2, "keep": 2, "full": 2, "warm_ups": 2}
 
 
-@pytest.mark.parametrize("strict", [False, True])
-def test_one_unprobed_step_where_the_probed_ones_settled_but_never_across_ranks(monkeypatch, strict):
-    """A settled choice times one unprobed step, not `steps`; on several ranks (`strict`) every
-    choice runs them all, since a rank's own timing must not change how many sharded steps (and
-    collectives) it runs."""
+def _unprobed_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The `steps` of each unprobed measurement the profile makes from now on (it still runs)."""
     from actcfg.plan import profile as profiling
 
     unprobed: list[int] = []
@@ -207,6 +204,17 @@ def test_one_unprobed_step_where_the_probed_ones_settled_but_never_across_ranks(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(profiling, "measure_steps", counted)
+    return unprobed
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_one_unprobed_step_where_the_probed_ones_settled_but_never_across_ranks(monkeypatch, strict):
+    """A settled choice times one unprobed step, not `steps`; on several ranks (`strict`) every
+    choice runs them all, since a rank's own timing must not change how many sharded steps (and
+    collectives) it runs."""
+    from actcfg.plan import profile as profiling
+
+    unprobed = _unprobed_steps(monkeypatch)
     monkeypatch.setattr(profiling, "SETTLED", float("inf"))  # every choice's probed steps agree
     model, x = chain(2)
     profile(model, ("Layer",), x, apply=apply, choices=("keep", "full"), steps=2, strict=strict)
@@ -220,14 +228,7 @@ def test_a_run_given_keeps_scale_runs_no_unprobed_step_and_one_not_given_reports
     from actcfg.plan import profile as profiling
     from actcfg.plan.probe import Meter
 
-    unprobed: list[int] = []
-    real = profiling.measure_steps
-
-    def counted(*args, **kwargs):
-        unprobed.append(kwargs["steps"])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(profiling, "measure_steps", counted)
+    unprobed = _unprobed_steps(monkeypatch)
     probed: list[Any] = []
     real_step = profiling.Probe.step
 
