@@ -80,8 +80,13 @@ def _worst_option(options: Sequence[Option]) -> Option:
     # or a rank's -1 would lose to another's smaller measured share
     if any(o.moved_last >= 0 for o in options):
         options = [dataclasses.replace(o, moved_last=o.moved) if o.moved_last < 0 else o for o in options]
-    return Option(**{f.name: max(getattr(o, f.name) for o in options)
-                     for f in dataclasses.fields(Option)})
+    worst = Option(**{f.name: max(getattr(o, f.name) for o in options)
+                      for f in dataclasses.fields(Option)})
+    # `moved_first` -1 is not measured, bounded by the block's larger `reload_ahead`: a rank's -1
+    # stays -1, not another's smaller measured bytes
+    if any(o.moved_first < 0 for o in options):
+        worst = dataclasses.replace(worst, moved_first=-1)
+    return worst
 
 
 def reduce_profiles(profiles: Sequence[Profile]) -> Profile:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from actcfg.plan.model import CHOICE_OF, CHOICE_TABLE, CHOICES, COUNTERPART, OFFLOADS, BlockProfile, Option, Profile
 from actcfg.plan.probe import StepReading
-from actcfg.plan.solve import predict, uniform_copies
+from actcfg.plan.solve import predict, uniform_copies, uniform_reloads_below
 
 __all__ = ["MIN_EXTRA_MS", "Run", "assemble"]
 
@@ -31,6 +31,9 @@ class Run:
     peak in the run's last step (`OffloadStats.deferred_groups`); empty: none did."""
     moved_last: list[int] = field(default_factory=list)
     """Per block, the bytes its last group moved (`Option.moved_last`); empty: not counted."""
+    moved_first: list[int] = field(default_factory=list)
+    """Per block, the bytes of its last group that backward reloads first
+    (`Option.moved_first`); empty: not counted."""
 
 
 def _memory_notes(runs: dict[str, Run], cuda: bool) -> list[str]:
@@ -74,6 +77,7 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
         backward_ms = [max(0.0, g - f) for g, f in zip(backward_ms, forward_ms)]
     moved = {c: runs[c].moved if c in runs else [0] * n for c in CHOICES}
     moved_last = {c: runs[c].moved_last if c in runs and runs[c].moved_last else [-1] * n for c in CHOICES}
+    moved_first = {c: runs[c].moved_first if c in runs and runs[c].moved_first else [-1] * n for c in CHOICES}
     hold: dict[str, list[int]] = {"keep": held["keep"]}
     for c in ("full", "selective", "split"):
         if c in held:
@@ -109,7 +113,8 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
     # reloads), from solve's own terms: measured minus these is what each option records.
     copies_only = Profile(
         blocks=tuple(BlockProfile(name, f, 0.0,
-                                  {c: Option(held=0, moved=moved[c][b], moved_last=moved_last[c][b])
+                                  {c: Option(held=0, moved=moved[c][b], moved_last=moved_last[c][b],
+                                             moved_first=moved_first[c][b])
                                    for c in CHOICES},
                                   reload_waits=waits[b], reload_ahead=ahead[b])
                      for b, (name, f) in enumerate(zip(names, forward_ms))),
@@ -117,6 +122,22 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
         d2h_gbps=d2h, h2d_gbps=h2d, largest_storage=largest_storage,
         window_storages=window_storages, device=device)
     copies = {c: uniform_copies(copies_only, c) for c in CHOICES}
+
+    # Where the reload below begins part way through a block's backward (a recompute the engine
+    # waits past; a choice on parts, under its first part), the rest of that backward less the
+    # reload its uniform run held there: read in the offload twin's run, whose engine reloads
+    # (selective's in full_offload's: past the MLP's gradients it holds what full's recompute
+    # rebuilt of the attention, the ops it saved).
+    reloads_below = {c: uniform_reloads_below(copies_only, c) for c in ("full_offload", "split_offload")}
+
+    def reload_level(c: str, b: int) -> int:
+        ran = "split_offload" if CHOICE_OF[c].parts else "full_offload"
+        if CHOICE_OF[c].mode == "none" or ran not in runs or not (cuda or runs[ran].step.memory):
+            return -1
+        below = runs[ran].step.below_peak
+        if b >= len(below) or below[b] < 0:
+            return -1
+        return max(0, below[b] - before(ran, b) - reloads_below[ran][b])
 
     options: list[dict[str, Option]] = [{} for _ in range(n)]
     for c in usable:
@@ -138,7 +159,9 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
                 recompute = 0.0
             options[b][c] = Option(held=hold[c][b], moved=moved[c][b], forward_peak=max(0, fwd),
                                    backward_peak=max(0, bwd), recompute_ms=recompute, extra_ms=recompute,
-                                   left=lasts[c][b], moved_last=moved_last[c][b])
+                                   left=lasts[c][b], moved_last=moved_last[c][b],
+                                   moved_first=moved_first[c][b],
+                                   reload_level=reload_level(c, b))
     # The turn in two parts: until the model's forward returns, with what the blocks left, and
     # after, without it (under autocast the casts go as its region ends with the forward: a
     # GPT-2 under CPU autocast, after them on a kept last block, over-predicted checkpointed

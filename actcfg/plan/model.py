@@ -86,7 +86,8 @@ class Option:
     and L what their forwards left until the turn, its forward peaks at S + L + (copies still in
     flight) + `forward_peak`, its backward at S + (the reload of the block below, started during
     it, unless the engine waits past its recompute's peak: `BlockProfile.reload_waits`) +
-    `backward_peak`, and from its forward to its backward it adds `held` to what every
+    `backward_peak` (and, where the reload below begins part way, at S + `reload_level` + that
+    reload), and from its forward to its backward it adds `held` to what every
     later block sees (and `left` to what every later forward and the turn see).
     """
 
@@ -115,6 +116,21 @@ class Option:
     part as a group of its own, so only its last part's inputs come back that early (the CPU
     blocks stack: 4 of a split_offload block's 8 block inputs); any other choice is one group.
     -1: not measured, all of `moved`."""
+    moved_first: int = -1
+    """Of `moved_last`, the bytes of its `RELOAD_STORAGES` newest storages
+    (`actcfg.runtime.offload`): what the engine reloads of it first, newest first, and holds
+    ahead of their use while the block above runs its backward. Where a block's widest storages
+    are not its last (an attention's scores before a narrow MLP), this is less than its
+    `reload_ahead`. -1: not measured (`reload_ahead` bounds it)."""
+    reload_level: int = -1
+    """Where the block's backward begins reloading the block below only part way through
+    (a recompute the engine waits past, `BlockProfile.reload_waits`; a choice on parts, under
+    its first part): the peak of the rest of its backward above S, less the reload below its
+    uniform run held there. A larger reload below (an `offload` block's two widest storages
+    where that run reloaded one block input) meets this level, not `backward_peak`: the model
+    takes the larger of the two. Read from the offload twin's uniform run (`full_offload` for a
+    whole recompute, `split_offload` for parts); -1: not measured (no such run, or the reload
+    below never began in its backward)."""
 
 
 @dataclass(frozen=True)

@@ -267,6 +267,10 @@ class StepReading:
     """The part of `outside_peak` before the first block (inside the model's forward)."""
     forward_after_ms: float = 0.0
     backward_before_ms: float = 0.0
+    below_peak: list[int] = field(default_factory=list)
+    """Per block, its backward's peak from the moment the offload engine began reloading the
+    block below (`Probe.reload_began`) to its end; -1 where no reload of the block below began
+    during its backward (or no engine ran)."""
     memory: bool = False
     """True when the peaks are readings (CUDA, or counted on the CPU), not zeros."""
 
@@ -302,6 +306,8 @@ class Probe:
         self.bwd_end: list[Any] = [None] * n
         self.fwd_peak = [0] * n
         self.bwd_peak = [0] * n
+        self.bwd_before_below = [-1] * n  # the backward's peak until the reload below began
+        self.below_peak = [-1] * n
         self.turn_peak = 0
         self.turn_forward_peak = 0
         self.head_peak = 0
@@ -355,9 +361,26 @@ class Probe:
         if self.bwd_start[i] is None or self.bwd_end[i] is not None:
             return
         self.bwd_end[i] = self.meter.tick()
-        self.bwd_peak[i] = self.meter.peak_and_reset()
+        peak = self.meter.peak_and_reset()
+        if self.bwd_before_below[i] >= 0:  # split where the reload of the block below began
+            self.below_peak[i] = peak
+            peak = max(peak, self.bwd_before_below[i])
+        self.bwd_peak[i] = peak
         if self.open == i:
             self.open = None
+
+    def reload_began(self, block: int) -> None:
+        """Block `block`'s backward begins reloading the blocks below it (the offload engine's
+        `reloads_below`): its backward is read in two spans from here, and the second
+        (`StepReading.below_peak`) is what a larger reload below would add to. Where the engine waits past the recompute's
+        peak to reload the block below (`GradProgress`), or a block on parts reloads it under its
+        first part, the larger reload meets a lower level than the whole backward's peak, but
+        one that is not the recompute's either: on an H200 the attention's backward after that
+        signal, with two of an offloaded block's wide storages reloaded, was 41 MiB above the
+        block's recompute peak, which an `offload` block's own reload had never been read at."""
+        if not self.recording or self.open != block or self.bwd_before_below[block] >= 0:
+            return
+        self.bwd_before_below[block] = self.meter.peak_and_reset()
 
     def _backward_mark(self, ends: list[int], starts: list[int]) -> None:
         if not self.recording:
@@ -428,6 +451,7 @@ class Probe:
             head_peak=self.head_peak,
             forward_after_ms=meter.ms(self.fwd_end[last], after),
             backward_before_ms=meter.ms(backward, self.bwd_start[last]),
+            below_peak=list(self.below_peak),
             memory=meter.memory,
         )
 

@@ -353,6 +353,16 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
         if before is not None:
             before()
         probe = Probe(modules, meter, backward)
+        if handle.engine is not None:
+            # Where each block's backward begins reloading the blocks below: the probe reads the
+            # rest of that backward too (`StepReading.below_peak`).
+            block_of = {n: b for b, n in enumerate(names)}
+
+            def reloads_below(index: int, probe: Probe = probe) -> None:
+                b = _block_of(handle.offload_group_names.get(index, ""), block_of)
+                if b is not None:
+                    probe.reload_began(b)
+            handle.engine.reloads_below = reloads_below
         # warm-up: pinned pools, allocator, kernels. Every run, the on-device ones after keep
         # too: without it, one probed step per choice was that policy's first step, and on an
         # H200 plan_bench's mixed plans then measured up to 17% off their predicted step time
@@ -403,6 +413,7 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
             unprobed = unprobed_steps()
         moved = [0] * len(names)
         moved_last = [0] * len(names)
+        moved_first = [0] * len(names)
         waits = [False] * len(names)
         if handle.engine is not None:
             # Groups open at the modules the rule takes: a choice on parts (`split_offload`)
@@ -414,6 +425,7 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
                 if b is not None:
                     moved[b] += g["offloaded_bytes"]
                     moved_last[b] = g["offloaded_bytes"]
+                    moved_first[b] = g["first_reload_bytes"]
             # The blocks whose recompute the reload below waited past, in the last step (the
             # first may differ: a lone Linear's signal misses once, then it reloads at once).
             for index in handle.engine.stats.deferred_groups or ():
@@ -437,7 +449,7 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
         last.forward_after_ms *= scale
         last.backward_before_ms *= scale
         last.step_ms *= scale
-    return Run(last, moved, waits, moved_last)
+    return Run(last, moved, waits, moved_last, moved_first)
 
 
 def _block_of(module: str, block_of: dict[str, int]) -> int | None:

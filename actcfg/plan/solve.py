@@ -28,7 +28,10 @@ the sum of their `held`; M_b: bytes block b copies each way; d_b, h_b: those cop
   engine reloads them only past its recompute's peak, `reload_waits`: measured per block in the
   uniform full_offload run), and b's own where it offloads without recompute, within `window_storages` x `largest_storage` (one prefetch)
   and, of each block, its `reload_ahead` (its two largest storages: the engine holds at most
-  `RELOAD_STORAGES` storages reloaded ahead of their use). A profile
+  `RELOAD_STORAGES` storages reloaded ahead of their use; of the block below, its two newest,
+  `moved_first`, which come back first). Where the reload of block b-1 begins part way
+  through b's backward (`reload_waits`; a choice on parts), it meets the rest of that
+  backward: S + `reload_level` + that reload. A profile
   without the window (W = 0) counts whole blocks, as the engine's first step copies them.
 * step time = the plain step + each block's `extra_ms` (recompute, and what its uniform run
   measured beyond this model) + the copy time nothing hides: a block's copy to the host hides
@@ -65,7 +68,7 @@ from actcfg.plan.model import CHOICE_OF, COUNTERPART, OFFLOADS, Option, Profile
 from actcfg.runtime.reports import PlanReport, memory_size
 
 __all__ = ["MAX_FRONT", "Plan", "lowest_plan", "predict", "smallest_budget", "smallest_peak", "solve",
-           "uniform_copies"]
+           "uniform_copies", "uniform_reloads_below"]
 
 MAX_FRONT = 2048
 """Most entries one state of the dynamic program keeps (see the module docstring)."""
@@ -263,7 +266,8 @@ class _Terms:
         one by one through its backward, a checkpoint's inputs are all used as its recompute
         begins (then they are the block's own activations, in its `backward_peak`). Where block
         b recomputes whole and the engine waits past its recompute's peak to reload block b-1
-        (`reload_waits`), none of block b-1's is ahead."""
+        (`reload_waits`), none of block b-1's is ahead at that peak; the rest of the backward
+        meets it (`Option.reload_level`, taken in `need`)."""
         base = _base(c)
         below = self.moved_last(b - 1, p1) if b >= 1 else 0
         if base is not None and b < self.n and CHOICE_OF[base].parts:
@@ -290,11 +294,27 @@ class _Terms:
         # above an offloaded one meets the two newest of its storages, not its bytes up to the
         # window (the CPU uneven stack: 8 block inputs over, 11%, where the window is a wide
         # MLP's and the block below a narrow one's).
-        if b >= 1 and self.p.blocks[b - 1].reload_ahead:
-            below = min(below, self.p.blocks[b - 1].reload_ahead)
+        if below:  # of the block below, its newest storages: they come back first
+            below = self.below_reload(b, p1)
         if b < self.n and self.p.blocks[b].reload_ahead:
             own = min(own, self.p.blocks[b].reload_ahead)
         return min(below + own, self.back_window)
+
+    def below_reload(self, b: int, p1: str | None) -> int:
+        """Bytes of block b-1's (choice p1) storages the engine holds reloaded ahead of their use
+        once it begins reloading them during block b's backward, however late that begins: its
+        last group's (`moved_last`): its newest storages, which come back first (`moved_first`,
+        else at most its `reload_ahead`), within the backward window."""
+        if b < 1:
+            return 0
+        below = self.moved_last(b - 1, p1)
+        if self.back_window and below:
+            first = self.opt(b - 1, p1).moved_first
+            ahead = first if first >= 0 else self.p.blocks[b - 1].reload_ahead
+            if ahead:
+                below = min(below, ahead)
+            below = min(below, self.back_window)
+        return below
 
     def forward_peak(self, b: int, c: str) -> int:
         """Block b's own forward peak. The last offloaded block leaves only at its end, so in its
@@ -312,7 +332,11 @@ class _Terms:
         known = self._needs.get(key)
         if known is None:
             forward = self.inflight(b, p2, p1, c) + self.forward_peak(b, c) + self.grads
-            backward = self.reload_ahead(b, p1, c) + self.opt(b, c).backward_peak
+            o = self.opt(b, c)
+            backward = self.reload_ahead(b, p1, c) + o.backward_peak
+            below = self.below_reload(b, p1) if o.reload_level >= 0 else 0
+            if below:  # the reload below, begun late, meets the rest of the backward
+                backward = max(backward, o.reload_level + below)
             known = self._needs[key] = (forward, backward)
         return known
 
@@ -414,6 +438,15 @@ def uniform_copies(profile: Profile, choice: str) -> tuple[list[int], list[int],
     forward = [t.inflight(b, labels[b], labels[b + 1], labels[b + 2]) for b in range(t.n)]
     backward = [t.reload_ahead(b, labels[b + 1], labels[b + 2]) for b in range(t.n)]
     return forward, backward, t.turn_copies(labels[t.n], labels[t.n + 1])
+
+
+def uniform_reloads_below(profile: Profile, choice: str) -> list[int]:
+    """Per block, the bytes of the block below that every block taking `choice` (as
+    `uniform_copies`) holds reloaded once the reload of that block begins during its backward
+    (`_Terms.below_reload`): what a uniform run's `StepReading.below_peak` holds of it."""
+    t = _Terms(profile, 1)
+    labels: list[str | None] = [None, *_labels([choice] * t.n)]  # labels[b]: block b-1's
+    return [t.below_reload(b, labels[b]) for b in range(t.n)]
 
 
 def predict(profile: Profile, choices: tuple[str, ...] | list[str], max_inflight: int = 1) -> tuple[float, int]:

@@ -119,13 +119,15 @@ class AppliedPolicy:
         return tuple(n for n, _ in self.model.named_modules() if n in names)
 
     def offload_groups(self) -> list[dict[str, Any]]:
-        """The last step's offload groups opened at a module: its name, and the bytes it moved
-        to the host and kept on the device (empty without actcfg's engine)."""
+        """The last step's offload groups opened at a module: its name, the bytes it moved to
+        the host and kept on the device, and of those moved, the bytes backward reloads first
+        (`OffloadStats.group_first_reload_bytes`) (empty without actcfg's engine)."""
         if self.engine is None or not self.engine.stats.group_offloaded_bytes:
             return []
         st = self.engine.stats
         return [{"module": name, "offloaded_bytes": st.group_offloaded_bytes[i],
-                 "kept_bytes": st.group_kept_bytes[i]}
+                 "kept_bytes": st.group_kept_bytes[i],
+                 "first_reload_bytes": st.group_first_reload_bytes[i]}
                 for i, name in sorted(self.offload_group_names.items())
                 if i < len(st.group_offloaded_bytes)]
 

@@ -100,7 +100,7 @@ import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -242,13 +242,15 @@ class _Group:
     def live(self) -> list[_Chunk]:
         return [c for ref in self.chunks if (c := ref()) is not None]
 
-    def summary(self) -> tuple[int, int, int]:
+    def summary(self) -> tuple[int, int, int, int]:
         """At the turn: (bytes moved to the host, bytes that stayed on the device, of those the
-        bytes marked for offload that stayed for backward)."""
-        live = sum(c.nbytes for c in self.live())
+        bytes marked for offload that stayed for backward, the bytes of its `RELOAD_STORAGES`
+        newest storages moved: what backward reloads of it first, newest first)."""
+        chunks = self.live()
+        live = sum(c.nbytes for c in chunks)
         if self.offloaded:
-            return live, self.kept_bytes, 0
-        return 0, self.kept_bytes + live, live if (self.kept and self.offload) else 0
+            return live, self.kept_bytes, 0, sum(c.nbytes for c in chunks[-RELOAD_STORAGES:])
+        return 0, self.kept_bytes + live, live if (self.kept and self.offload) else 0, 0
 
 
 class _Chunk:
@@ -612,6 +614,12 @@ class OffloadEngine:
         # is needed first.
         self._deferred: list[_Group] = []
         self._progress: weakref.WeakKeyDictionary[nn.Module, GradProgress] = weakref.WeakKeyDictionary()
+        self.reloads_below: Callable[[int], None] | None = None
+        """Called with a group's index where its backward begins reloading the groups below it
+        (before their device memory is allocated): at its module's gradient signal where that
+        reload waited (`GradProgress`), whether or not anything below was moved, else where its
+        first reload of a lower group starts. The planner's probe splits the block's backward
+        there (`actcfg.plan.probe.Probe.reload_began`)."""
         self._closed = False
         self._warned_no_effect = False
         # Unpin the pool even if close() is never called: freed memory must not stay registered.
@@ -1037,6 +1045,8 @@ class OffloadEngine:
             count += 1
             cursor -= 1
         step.cursor = cursor
+        if self.reloads_below is not None and any(t.group.index < group.index for t in targets):
+            self.reloads_below(group.index)
         if targets:
             self._reload(targets)
         if recompute_begins:
@@ -1088,6 +1098,8 @@ class OffloadEngine:
             if progress is not None:
                 progress.silent = 0
             self._stats.reload_deferred(group.index)
+        if self.reloads_below is not None:
+            self.reloads_below(group.index)
         self._prefetch(group, seq)
 
     def _settle_deferred(self, group: _Group) -> None:

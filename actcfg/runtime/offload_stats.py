@@ -68,6 +68,10 @@ class OffloadStats:
     group_offloaded_bytes: list[int] | None = None
     """Bytes each group of the last step moved to the host, by group index (0: the group open
     when the step began); 0 for a group that stayed on the device."""
+    group_first_reload_bytes: list[int] | None = None
+    """Per group, as `group_offloaded_bytes`: the bytes of its `RELOAD_STORAGES` newest storages
+    moved, which backward reloads first (newest first) and holds ahead of their use while the
+    group above runs its backward."""
     group_kept_bytes: list[int] | None = None
     """Bytes saved in each group of the last step that stayed on the device (kept by rule, at the
     turn, or under `min_offload_bytes` and the other rules of `stays`)."""
@@ -135,6 +139,7 @@ class OffloadStats:
         self.most_inflight = self.packed_tensors = self.packed_bytes = self.groups = 0
         self.kept_bytes_by_reason = {}
         self.group_offloaded_bytes, self.group_kept_bytes, self.deferred_groups = [], [], []
+        self.group_first_reload_bytes = []
         self.most_device_bytes = self.most_forward_device_bytes = self.device_bytes
         self.most_backward_device_bytes = 0
         self._backward = False
@@ -188,13 +193,14 @@ class OffloadStats:
         """The engine gave `nbytes` of device memory back."""
         self.device_bytes -= nbytes
 
-    def end_step(self, groups: Iterable[tuple[int, int, int] | None]) -> None:
+    def end_step(self, groups: Iterable[tuple[int, int, int, int] | None]) -> None:
         """The turn: per group (None for one already dead) its bytes moved, its bytes that stayed,
-        and of those the bytes marked for offload that stayed for backward. Backward's
-        high-water mark starts here."""
+        of those the bytes marked for offload that stayed for backward, and the bytes of the
+        moved storages backward reloads first. Backward's high-water mark starts here."""
         for group in groups:
-            moved, stayed, kept_at_turn = group if group is not None else (0, 0, 0)
+            moved, stayed, kept_at_turn, first = group if group is not None else (0, 0, 0, 0)
             self.group_offloaded_bytes.append(moved)
+            self.group_first_reload_bytes.append(first)
             self.group_kept_bytes.append(stayed)
             self.groups += 1
             self.kept_bytes += kept_at_turn
