@@ -748,8 +748,12 @@ def test_rules_offload_only_the_groups_whose_rule_says_so(loopback):
         assert torch.equal(got[name], want[name]), name
     groups = {g["module"]: g for g in handle.offload_groups()}
     one = x.numel() * 4
-    assert groups["blocks.1"] == {"module": "blocks.1", "offloaded_bytes": one, "kept_bytes": 0}  # its input
+    assert groups["blocks.1"] == {"module": "blocks.1", "offloaded_bytes": one, "kept_bytes": 0,
+                                  "first_reload_bytes": one}  # its input, the one storage it moved
     assert groups["blocks.0"]["offloaded_bytes"] > 3 * one  # everything block 0 saves
+    # what backward reloads of it first: its two newest storages, the MLP's hidden (fc1's output
+    # and GELU's, ffn 128: twice a block input each)
+    assert groups["blocks.0"]["first_reload_bytes"] == 2 * 2 * one
     assert groups["blocks.2"]["offloaded_bytes"] == 0 and groups["blocks.2"]["kept_bytes"] == one
     assert groups["blocks.3"]["offloaded_bytes"] == 0 and groups["blocks.3"]["kept_bytes"] > 3 * one
     stats = handle.engine.stats
