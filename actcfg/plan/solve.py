@@ -659,31 +659,11 @@ def lowest_plan(profile: Profile, max_inflight: int = 1) -> tuple[int, tuple[str
     return max(t.outside, peak) + profile.accumulated_grads, picked
 
 
-OFFLOAD_MIX_HEADROOM = 0.025
-"""Share of the budget a mix with `offload` blocks leaves free on a GPU. Offload without
-recompute goes below the recompute's peak since the engine reloads at most two storages ahead
-(`RELOAD_STORAGES`); the CPU's counts match the model to the byte, but on the H200
-(2026-12-02, the blocks stack) two such mixes measured 2.1% and 0.09% above their predictions,
-one of them 2.1% over its budget, for a reason not yet found. Until it is, their plans keep
-this much free: a plan is never over its budget."""
-
-
-def _headroom(profile: Profile, choices: tuple[str, ...]) -> float:
-    """The share of the budget a plan of `choices` leaves free (`MIXED_HEADROOM`,
-    `OFFLOAD_MIX_HEADROOM`); none for a uniform plan, which its own run measured."""
-    if len(set(choices)) <= 1:
-        return 0.0
-    # profiled with the engine that reloads two storages ahead (its blocks' `reload_ahead`)
-    if profile.device == "cuda" and "offload" in choices and any(b.reload_ahead for b in profile.blocks):
-        return OFFLOAD_MIX_HEADROOM
-    return MIXED_HEADROOM
-
-
-def _accepted(peak: int, headroom: float = MIXED_HEADROOM) -> int:
-    """The smallest budget whose share for a mix (less `headroom`, as `solve` takes it) holds
-    `peak`."""
-    budget = peak + int(peak * headroom)  # none below: the headroom of a budget >= peak
-    while budget - int(budget * headroom) < peak:
+def _accepted(peak: int) -> int:
+    """The smallest budget whose share for a mix (less `MIXED_HEADROOM`, as `solve` takes it)
+    holds `peak`."""
+    budget = peak + int(peak * MIXED_HEADROOM)  # none below: the headroom of a budget >= peak
+    while budget - int(budget * MIXED_HEADROOM) < peak:
         budget += 1
     return budget
 
@@ -698,7 +678,7 @@ def smallest_budget(profile: Profile, max_inflight: int = 1) -> tuple[int, tuple
     n = len(profile.blocks)
     uniform = min(((predict(profile, (c,) * n, max_inflight)[1], (c,) * n) for c in profile.choices()),
                   key=lambda e: e[0])
-    mixed = (_accepted(peak, _headroom(profile, picked)), picked)
+    mixed = (_accepted(peak), picked)
     return uniform if uniform[0] <= mixed[0] else mixed
 
 
@@ -739,27 +719,13 @@ def solve(profile: Profile, budget: int, *, max_inflight: tuple[int, ...] = (1, 
     # plan slower than one already known is never taken (only the searches' work changes).
     within = min((step for step, peak in uniforms.values() if peak <= budget), default=math.inf)
     terms = {m: _Terms(profile, m) for m in tries}
-    grads = profile.accumulated_grads
-    tight = budget - int(budget * OFFLOAD_MIX_HEADROOM)
-    sparing = tuple(c for c in choices if c != "offload")
-
-    def fastest(m: int, bound: float, most: int = MAX_FRONT) -> tuple[float, int, tuple[str, ...]] | None:
-        """The fastest plan for max_inflight m that leaves its share of the budget free
-        (`_headroom`): where the plain search's is a mix with offload blocks on a GPU, the
-        faster of the one without offload blocks and the one within the larger share."""
-        got = _fastest(terms[m], mixed_budget - grads, choices, bound, most)
-        if got is None or _headroom(profile, got[2]) <= MIXED_HEADROOM:
-            return got
-        plans = [a for a in (_fastest(terms[m], mixed_budget - grads, sparing, bound, most),
-                             _fastest(terms[m], tight - grads, choices, bound, most)) if a is not None]
-        return min(plans, key=lambda a: (a[0], a[1]), default=None)
-
     # the gradients a later micro-batch starts with come on top of every term
-    sketch = fastest(tries[0], within, SKETCH)
+    room = mixed_budget - profile.accumulated_grads
+    sketch = _fastest(terms[tries[0]], room, choices, within, SKETCH)
     if sketch is not None:
         within = min(within, sketch[0])
     for m in tries:
-        got = fastest(m, within if found is None else min(within, found[0]))
+        got = _fastest(terms[m], room, choices, within if found is None else min(within, found[0]))
         if got is not None and (found is None or (got[0], got[1], m) < found[:3]):
             found = (got[0], got[1], m, got[2])
         for c in choices:  # a measured run fits to the byte: no headroom
