@@ -2,8 +2,8 @@
 every rank of the group, or trained by the DeepSpeed engine with ZeRO-1/2 (`deepspeed_backward`:
 the profile's backward out of reach of ZeRO's gradient hooks, their step buffers stood in for)
 or with ZeRO-3 where its gathers allocate nothing (one rank, partitions on the device:
-`zero3_refusal`, `zero3_profiling`); and the wrappers a profile cannot run under (DDP, ZeRO-3
-elsewhere, the engine object itself).
+`zero3_refusal`, `zero3_profiling`; its gradient hooks followed, not run: `Zero3Gradients`);
+and the wrappers a profile cannot run under (DDP, ZeRO-3 elsewhere, the engine object itself).
 
 The profile runs the sharded model itself: FSDP2's own pre- and post-forward hooks gather each
 unit's parameters and free them after, so the gathered parameters count toward every peak the
@@ -272,10 +272,13 @@ def deepspeed_backward(model: nn.Module) -> Backward:
     `.grad` is written; the engine's other hooks are on its own forward's output, which the
     profile never calls (it runs `engine.module`), and on the module's forward (timers).
 
-    What the profile then counts: every parameter's whole gradient, held from the moment
-    backward produces it to the step's end, as `.grad` would be without DeepSpeed; and, from the
-    start of backward to its end, a stand-in of DeepSpeed's own step buffers (`_zero_buffers`),
-    which the hooks allocate at a step's first gradient and free in its epilogue. PlanError when
+    What the profile then counts under ZeRO-1/2 and the bf16 optimizer: every parameter's whole
+    gradient, held from the moment backward produces it to the step's end, as `.grad` would be
+    without DeepSpeed; and, from the start of backward to its end, a stand-in of DeepSpeed's own
+    step buffers (`_zero_buffers`), which the hooks allocate at a step's first gradient and free
+    in its epilogue. Under ZeRO-3, whose hooks move each gradient into its reduce bucket and
+    free it: what they hold, as they hold it (`Zero3Gradients`). Under any of them, the two
+    copies of the loss `engine.backward` makes (`Backward.loss_copies`). PlanError when
     parameters carry DeepSpeed's link to an optimizer whose hooks this does not know."""
     params = [p for p in model.parameters() if p.requires_grad]
     # ZeRO-1/2 and the bf16 optimizer link each parameter to its fp32 partition (`_hp_mapping`,
