@@ -535,16 +535,18 @@ def test_zero3_on_one_rank_plans_engine_module_changes_nothing_and_trains_as_the
 
 @pytest.mark.slow
 @pytest.mark.deepspeed
-@pytest.mark.parametrize("zero", [
-    ZERO3,
+@pytest.mark.parametrize("extra, zero", [
+    (None, ZERO3),
     # a bucket larger than every gradient together, as Lightning's 2e8 elements on the H200's
     # blocks stack (50M): reduced once, in the epilogue
-    {**ZERO3, "reduce_bucket_size": 40 * BUCKET},
+    (None, {**ZERO3, "reduce_bucket_size": 40 * BUCKET}),
     # every gradient stays whole in `.grad` until its bucket is reduced
-    {**ZERO3, "contiguous_gradients": False},
-], ids=["bucket", "bucket_over_every_gradient", "not_contiguous"])
+    (None, {**ZERO3, "contiguous_gradients": False}),
+    # bf16 gradients reduced, then converted to fp32 partitions (one more copy per reduction)
+    (BF16_OPTIMIZER, ZERO3),
+], ids=["bucket", "bucket_over_every_gradient", "not_contiguous", "bf16_fp32_partitions"])
 def test_zero3_profile_reads_the_engines_steps_and_plans_between_its_full_and_plain_steps(
-        ds_env, monkeypatch, zero):
+        ds_env, monkeypatch, extra, zero):
     """ZeRO-3's hooks move each gradient into its reduce bucket and free it as backward makes
     it, reducing a bucket when it fills: the profile's plain and full steps read what the
     engine's own steps read (the planner's CPU meter, the same loss, the outputs let go), and a
@@ -555,7 +557,7 @@ def test_zero3_profile_reads_the_engines_steps_and_plans_between_its_full_and_pl
     from actcfg.plan.sharded import zero3_profiling
 
     monkeypatch.setattr(torch.nn.functional, "linear", torch.nn.functional.linear)
-    engine, x = engine_of(3, **zero)
+    engine, x = engine_of(3, extra, **zero)
     module = engine.module
 
     def profiled() -> int:
@@ -566,7 +568,7 @@ def test_zero3_profile_reads_the_engines_steps_and_plans_between_its_full_and_pl
     full_policy = actcfg.apply(module, FULL)
     profiled_full, full = profiled(), max(measured_steps(engine, x, 2)[1])
     full_policy.remove()
-    print(f"zero-3 {zero}: plain profiled {profiled_plain}, engine {plain}; full profiled "
+    print(f"zero-3 {extra} {zero}: plain profiled {profiled_plain}, engine {plain}; full profiled "
           f"{profiled_full}, engine {full}")
     assert profiled_plain == pytest.approx(plain, rel=0.01)
     assert profiled_full == pytest.approx(full, rel=0.01)
@@ -579,7 +581,8 @@ def test_zero3_profile_reads_the_engines_steps_and_plans_between_its_full_and_pl
     print(f"planned: predicted {handle.plan.predicted_peak}, engine {peaks}, budget {budget}")
     assert max(peaks) <= handle.plan.predicted_peak
     # the profile holds the model's outputs through backward, the engine's steps here do not
-    assert max(peaks) >= handle.plan.predicted_peak - x.numel() * x.element_size()
+    # (and a few scalars differ: the stand-in gradients' zero, the loss's copies' dtype)
+    assert max(peaks) >= handle.plan.predicted_peak - x.numel() * x.element_size() - 64
     handle.remove()
     engine.destroy()
 
