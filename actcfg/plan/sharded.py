@@ -593,7 +593,7 @@ class Zero3Gradients:
         optimizer = self.optimizer
 
         def width(dtype: torch.dtype) -> int:
-            return torch.empty((), dtype=dtype).element_size()
+            return dtype.itemsize  # no tensor: this runs inside the counted backward
 
         n = bucket.elements
         scaled = optimizer.postscale_gradients and optimizer.gradient_predivide_factor != 1.0
