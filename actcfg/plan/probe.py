@@ -9,10 +9,12 @@ each way, pinned.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,16 +59,29 @@ class Backward:
     after: Callable[[], None] | None = None
     """Called once the backward has run (ZeRO-3: release what modules whose post-backward hook
     never fired still hold gathered, as the engine's backward epilogue does)."""
+    taking: Callable[[Sequence[torch.Tensor]], AbstractContextManager[Any]] | None = None
+    """Given `apart`, a context around the backward inside which each of their gradients is
+    taken as the engine's hooks take it, and which allocates what those hooks allocate when
+    they do (ZeRO-3, whose hooks move each gradient into its reduce bucket and free it:
+    `actcfg.plan.sharded.Zero3Gradients`); None: every gradient is held whole until the step
+    ends, as `.grad` would be."""
+    loss_copies: int = 0
+    """Tensors like the loss that the engine's backward makes before it runs autograd and holds
+    through it, allocated here in their place (DeepSpeed's `engine.backward`: the loss divided by
+    the gradient accumulation steps, then multiplied by the loss scale; 2)."""
 
     def run(self, loss: torch.Tensor) -> Any:
-        """Run it; what it returns holds the gradients taken apart, and the stand-in, until the
-        caller lets it go at the step's end (as `.grad` lives to then)."""
+        """Run it; what it returns holds the gradients taken apart, the stand-in and the loss's
+        copies until the caller lets it go at the step's end (as `.grad` lives to then)."""
         if not self.apart:
             loss.backward()
             return None
         held = torch.empty(self.buffers, dtype=torch.uint8, device=loss.device) if self.buffers else None
+        copies = [torch.empty_like(loss) for _ in range(self.loss_copies)]
+        taking = self.taking(self.apart) if self.taking is not None else contextlib.nullcontext()
         try:
-            grads = torch.autograd.grad(loss, self.apart, allow_unused=True)
+            with taking:
+                grads = torch.autograd.grad(loss, self.apart, allow_unused=True)
         except RuntimeError as e:
             # torch's words: "... use_reentrant=True, torch.utils.checkpoint is incompatible
             # with .grad() ..." (2.13), "Checkpointing is not compatible with .grad() ..." before
@@ -83,7 +98,7 @@ class Backward:
                 "non-reentrant") from e
         if self.after is not None:
             self.after()
-        return grads, held
+        return grads, held, copies
 
 
 # --- clocks and memory: CUDA events and allocator statistics, or wall-clock on the CPU ----------

@@ -8,9 +8,10 @@ its backward, from the gradient of its output to the gradient of its input; the 
 last forward and the first backward). What each block keeps is counted with saved-tensor hooks (storages saved inside
 its forward; for selective, also the outputs of its saved ops) and, for offload choices, with the
 offload engine's own per-group counts. Copy bandwidth each way is measured pinned. Everything
-is put back after: gradients, buffers, training mode and RNG state. Under DeepSpeed's ZeRO-1/2
+is put back after: gradients, buffers, training mode and RNG state. Under DeepSpeed's ZeRO
 each step's backward takes the gradients with `torch.autograd.grad`, out of reach of ZeRO's
-hooks, and stands in for the buffers those hooks allocate (`actcfg.plan.sharded.deepspeed_backward`).
+hooks, and stands in for the buffers those hooks allocate (ZeRO-1/2), or follows what they hold
+gradient by gradient (ZeRO-3) (`actcfg.plan.sharded.deepspeed_backward`).
 
 The jobs live apart: the probe (`actcfg.plan.probe`), the byte counts (`actcfg.plan.saved`), and
 the cost model that turns both into a `Profile` (`actcfg.plan.cost`); this module runs them.

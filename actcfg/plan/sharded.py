@@ -2,8 +2,8 @@
 every rank of the group, or trained by the DeepSpeed engine with ZeRO-1/2 (`deepspeed_backward`:
 the profile's backward out of reach of ZeRO's gradient hooks, their step buffers stood in for)
 or with ZeRO-3 where its gathers allocate nothing (one rank, partitions on the device:
-`zero3_refusal`, `zero3_profiling`); and the wrappers a profile cannot run under (DDP, ZeRO-3
-elsewhere, the engine object itself).
+`zero3_refusal`, `zero3_profiling`; its gradient hooks followed, not run: `Zero3Gradients`);
+and the wrappers a profile cannot run under (DDP, ZeRO-3 elsewhere, the engine object itself).
 
 The profile runs the sharded model itself: FSDP2's own pre- and post-forward hooks gather each
 unit's parameters and free them after, so the gathered parameters count toward every peak the
@@ -32,7 +32,7 @@ reduce-scatter per unit in backward), so with several ranks:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -272,10 +272,13 @@ def deepspeed_backward(model: nn.Module) -> Backward:
     `.grad` is written; the engine's other hooks are on its own forward's output, which the
     profile never calls (it runs `engine.module`), and on the module's forward (timers).
 
-    What the profile then counts: every parameter's whole gradient, held from the moment
-    backward produces it to the step's end, as `.grad` would be without DeepSpeed; and, from the
-    start of backward to its end, a stand-in of DeepSpeed's own step buffers (`_zero_buffers`),
-    which the hooks allocate at a step's first gradient and free in its epilogue. PlanError when
+    What the profile then counts under ZeRO-1/2 and the bf16 optimizer: every parameter's whole
+    gradient, held from the moment backward produces it to the step's end, as `.grad` would be
+    without DeepSpeed; and, from the start of backward to its end, a stand-in of DeepSpeed's own
+    step buffers (`_zero_buffers`), which the hooks allocate at a step's first gradient and free
+    in its epilogue. Under ZeRO-3, whose hooks move each gradient into its reduce bucket and
+    free it: what they hold, as they hold it (`Zero3Gradients`). Under any of them, the two
+    copies of the loss `engine.backward` makes (`Backward.loss_copies`). PlanError when
     parameters carry DeepSpeed's link to an optimizer whose hooks this does not know."""
     params = [p for p in model.parameters() if p.requires_grad]
     # ZeRO-1/2 and the bf16 optimizer link each parameter to its fp32 partition (`_hp_mapping`,
@@ -315,7 +318,11 @@ def deepspeed_backward(model: nn.Module) -> Backward:
     # The engine's backward epilogue releases what modules whose post-backward hook never fired
     # still hold gathered (a module whose input needs no gradient); the profile's backward too.
     after = None if offload is None else offload.release_backward_leftovers
-    return Backward(apart=tuple(params), buffers=_zero_buffers(optimizer), after=after)
+    # ZeRO-3 frees each gradient into its bucket as backward produces it: the profile's backward
+    # follows it gradient by gradient (`Zero3Gradients`), with no stand-in held through it.
+    taking = None if offload is None else Zero3Gradients(optimizer)
+    return Backward(apart=tuple(params), buffers=_zero_buffers(optimizer), after=after, taking=taking,
+                    loss_copies=2)
 
 
 def _holds_deepspeed(hook: Any) -> bool:
@@ -385,13 +392,10 @@ def _zero_buffers(optimizer: Any) -> int:
     gradients' whole size more (on one CPU rank: 2.23 MB predicted for a step measured at
     1.79 MB, gradients 0.27 MB; ZeRO-1 1.89 MB). With `offload_optimizer` the partition lives on the host and is counted
     on the device all the same: an upper bound there too."""
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
-        return _zero3_buffers(optimizer)
     if not isinstance(optimizer, DeepSpeedZeroOptimizer):
-        return 0
+        return 0  # ZeRO-3's (not one): its hooks' allocations are made as they happen (`Zero3Gradients`)
     buckets = 0
     if optimizer.contiguous_gradients:
         element = torch.empty((), dtype=optimizer._gradient_reduction_buffer_dtype()).element_size()
@@ -489,37 +493,137 @@ def refuse_compile_across_ranks(compiled: bool) -> None:
             "written plan on every rank, or remove `compile`")
 
 
-def _zero3_buffers(optimizer: Any) -> int:
-    """Bytes ZeRO-3's gradient hooks allocate in a step beyond what exists before it (DeepSpeed
-    0.19.8's `DeepSpeedZeroOptimizer_Stage3`, on one rank: `zero3_refusal`). Its reduce buckets
+class Zero3Gradients:
+    """ZeRO-3's gradient path on one rank (DeepSpeed 0.19.8's `DeepSpeedZeroOptimizer_Stage3`,
+    `zero3_refusal` None), as the profile's backward follows it (`Backward.taking`): each
+    gradient taken apart is let go as soon as backward produces it, and what ZeRO-3's hooks
+    allocate is allocated when they would.
+
+    What a step of the engine holds of its gradients: ZeRO-3's reduce buckets
     (`contiguous_gradients`) and the flat buffer of gradient partitions are allocated with the
-    optimizer, before any step; what a step adds is each bucket's reduction, one bucket at a
-    time, of at most `reduce_bucket_size` elements or one parameter's gradient where that is
-    larger (it goes into a bucket of its own): the reduce-scatter path (`reduce_scatter`,
-    DeepSpeed's default, or without `contiguous_gradients`: `__avg_scatter_grads`) converts the
-    gradients to the communication dtype where that differs, divides them by
-    `gradient_predivide_factor` into new tensors where that is not 1, and concatenates them
-    (`reduce_scatter_coalesced`); the all-reduce path converts where the dtype differs; both
-    convert to the accumulation dtype where it differs from the communication one. One copy of
-    the bucket per step of these, the widest bucket's.
+    optimizer, before any step. Its hook on each parameter's gradient accumulation
+    (`create_reduce_and_remove_grad_hooks`) copies the new `.grad` into the bucket of its
+    communication dtype and frees it (`__add_grad_to_ipg_bucket`: `.grad` becomes a view of the
+    bucket); where the bucket has no room left for it, the bucket is reduced first
+    (`reduce_independent_p_g_buckets_and_remove_grads`), and a gradient larger than the bucket,
+    or every gradient without `contiguous_gradients`, stays whole in `.grad` until its bucket is
+    reduced. Reducing a bucket (`__reduce_and_partition_ipg_grads`) allocates, for a moment,
+    the copies its reduction makes (`_reduction_bytes`), then copies each partition into the
+    flat buffer (`partition_grads`) and sets `.grad` to None; the backward's last hook reduces
+    what the buckets still hold (`independent_gradient_partition_epilogue`). So beyond the
+    step's activations a step holds one gradient at a time, those kept whole, and a bucket's
+    reduction copies while it runs; the flat buffer, written in place, adds nothing.
 
-    The profile holds every gradient whole to the step's end, where ZeRO-3 copies each into its
-    bucket and drops it: as under ZeRO-2 the profile counts up to the gradients' whole size more
-    than the step allocates (on one CPU rank, two blocks planned one checkpointed: 1.36 MB
-    predicted, this stand-in 0.2 MB of it, for steps measured at 1.12 MB, gradients 0.27 MB)."""
-    def size(dtype: torch.dtype) -> int:
-        return torch.empty((), dtype=dtype).element_size()
+    Under the engine's `coalesce_grad_reduction` (its hooks return at once, the gradients stay
+    in `.grad` until the context's end) every gradient is held whole, as the profile's backward
+    holds them without this. The engine's hook frees the AccumulateGrad's `.grad`, which is the
+    incoming gradient itself where autograd can steal it (a clone for a moment where it cannot):
+    here the incoming gradient is let go after the hook, so a clone is not counted. On one CPU
+    rank, two blocks, reduce buckets of 5e4 and 2e6 elements: the plain and the full steps
+    profiled at the engine's own steps to the byte as `LiveBytes` counts them (plain 1851408,
+    full 1024272), where holding every gradient whole with a bucket-sized stand-in through
+    backward read plain 2051400 and 9851400."""
 
-    largest = max((p.ds_numel for group in optimizer.fp16_groups for p in group), default=0)
-    elements = max(int(optimizer.reduce_bucket_size), largest)
-    widest = 0
-    for comm in optimizer.ipg_buckets:
-        copies = size(comm) if comm != optimizer.dtype else 0
-        if optimizer.reduce_scatter or not optimizer.contiguous_gradients:
-            copies += size(comm)  # reduce_scatter_coalesced's concatenation
-            if optimizer.postscale_gradients and optimizer.gradient_predivide_factor != 1.0:
-                copies += size(comm)
-        if comm != optimizer.gradient_accumulation_dtype:
-            copies += size(optimizer.gradient_accumulation_dtype)
-        widest = max(widest, copies)
-    return elements * widest
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+
+    def __call__(self, params: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager[None]:
+        return self._taking(params)
+
+    @contextlib.contextmanager
+    def _taking(self, params: Sequence[torch.Tensor]) -> Iterator[None]:
+        optimizer = self.optimizer
+        if getattr(optimizer, "_coalesce_grad_reduction", False):
+            yield  # the hooks reduce nothing now: every gradient stays whole
+            return
+        buckets: dict[torch.dtype, _Bucket] = {}
+        zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        size = int(optimizer.reduce_bucket_size)
+
+        def take(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+            comm = optimizer.get_param_comm_dtype(param)
+            bucket = buckets.setdefault(comm, _Bucket())
+            n = grad.numel()
+            if bucket.elements + n > size and bucket.elements > 0:
+                self._reduce(comm, bucket)
+            bucket.device = grad.device
+            if not (optimizer.contiguous_gradients and bucket.elements + n <= size):
+                bucket.held.append(grad)  # stays whole in `.grad` until its bucket is reduced
+            bucket.elements += n
+            bucket.count += 1
+            bucket.largest = max(bucket.largest, n)
+            # What autograd.grad returns for it: no memory (the engine keeps no whole gradient).
+            key = (grad.dtype, grad.device)
+            if key not in zeros:
+                zeros[key] = torch.zeros((), dtype=grad.dtype, device=grad.device)
+            return zeros[key].expand(grad.shape)
+
+        handles = [p.register_hook(lambda grad, p=p: take(p, grad)) for p in params]
+        try:
+            yield
+            for comm, bucket in buckets.items():  # the epilogue: what the buckets still hold
+                if bucket.count:
+                    self._reduce(comm, bucket)
+        finally:
+            for h in handles:
+                h.remove()
+            buckets.clear()
+
+    def _reduce(self, comm: torch.dtype, bucket: _Bucket) -> None:
+        """The bucket's reduction: its copies allocated for a moment, the gradients it kept
+        whole freed after."""
+        copies = torch.empty(self._reduction_bytes(comm, bucket), dtype=torch.uint8, device=bucket.device)
+        del copies
+        bucket.held.clear()
+        bucket.elements = bucket.count = bucket.largest = 0
+
+    def _reduction_bytes(self, comm: torch.dtype, bucket: _Bucket) -> int:
+        """What reducing `bucket` (of communication dtype `comm`) allocates beyond the bucket
+        and the flat buffer, on one rank: on the all-reduce path (`contiguous_gradients`
+        without `reduce_scatter`: `__avg_scatter_contiguous_grads`, in place on the bucket) the
+        multiplication by `gradient_predivide_factor` where that is not 1; on the reduce-scatter
+        path (`__avg_scatter_grads`) the conversion to `comm` of gradients kept whole in
+        another dtype, the division and multiplication by that factor, and
+        `reduce_scatter_coalesced`'s concatenation of the bucket's gradients (a single one is
+        reduced in place); on both, the conversion to the accumulation dtype where it differs
+        from `comm`; and where the flat buffer lives off the device (`offload_optimizer`),
+        `partition_grads`' copy of a partition on the device (one parameter's at a time) and
+        its conversion to the master weights' dtype. Summed, though not all of them are alive
+        at once: an upper bound."""
+        optimizer = self.optimizer
+
+        def width(dtype: torch.dtype) -> int:
+            return dtype.itemsize  # no tensor: this runs inside the counted backward
+
+        n = bucket.elements
+        scaled = optimizer.postscale_gradients and optimizer.gradient_predivide_factor != 1.0
+        total = 0
+        if optimizer.contiguous_gradients and n <= int(optimizer.reduce_bucket_size) \
+                and not optimizer.reduce_scatter:
+            total += n * width(comm) if scaled else 0
+        else:
+            if comm != optimizer.dtype:
+                total += sum(g.numel() for g in bucket.held if g.dtype != comm) * width(comm)
+            total += 2 * n * width(comm) if scaled else 0
+            total += n * width(comm) if bucket.count > 1 else 0
+        accumulation = optimizer.gradient_accumulation_dtype
+        if comm != accumulation:
+            total += n * width(accumulation)
+        flat = getattr(optimizer, "grad_partitions_flat_buffer", None)
+        if flat is not None and flat.device != bucket.device:
+            master = getattr(optimizer, "master_weights_and_grads_dtype", accumulation)
+            total += bucket.largest * (width(accumulation)
+                                       + (width(master) if master != accumulation else 0))
+        return total
+
+
+class _Bucket:
+    """One of ZeRO-3's reduce buckets as `Zero3Gradients` follows it through a backward."""
+
+    def __init__(self) -> None:
+        self.elements = 0
+        self.count = 0
+        self.largest = 0
+        self.held: list[torch.Tensor] = []
+        self.device = torch.device("cpu")
+        """The device of its gradients (the last one taken)."""
