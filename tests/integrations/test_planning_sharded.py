@@ -426,13 +426,15 @@ def _lightning_deepspeed_worker(rank: int, out_dir: str, port: int, stage: int =
     budget = (plain.first_step_peak + full.first_step_peak) // 2
     planning = ActivationPolicy(auto(budget))
     planned = run("planned", planning)
-    given = run("given", ActivationPolicy(auto(budget), plan_file=planning.plan_written))
+    reuse = ActivationPolicy(auto(budget), plan_file=planning.plan_written)
+    given = run("given", reuse)
     write_result(out_dir, rank, {
         "plain": plain.first_step_peak, "full": full.first_step_peak, "budget": budget,
         "peak": planning.first_step_peak, "plan": planning.plan_written.read_text(),
         "planned": planned.seen, "given": given.seen, "planned_engine": planned.engine,
         "given_engine": given.engine, "plan_seconds": planning.plan_seconds,
         "plain_predicted": plain_predicted, "predicted": planned.predicted,
+        "given_peak": reuse.first_step_peak,
     })
 
 
@@ -450,13 +452,15 @@ def test_gpu_lightning_deepspeed_zero_plans_within_the_budget_and_trains_as_the_
                                           if k not in ("planned", "given", "plan")},
           result["plan"].splitlines()[:8])
     assert result["peak"] <= result["budget"] < result["plain"]
-    assert "mode: full" in result["plan"] or "mode: selective" in result["plan"]
+    # it lowers memory by recompute or offload (H200, 2026-12-02, ZeRO-3: 2 offload, 2 keep)
+    assert any(f in result["plan"] for f in ("mode: full", "mode: selective", "cpu_checkpointing: true"))
     if stage == 3:
         # the profile reads ZeRO-3's gradients as its hooks hold them: plain's prediction and
-        # the plan's within a few percent of the first steps measured (under ZeRO-2 the profile
-        # holds the gradients ZeRO-2 frees once reduced: an upper bound there)
+        # the plan's within the issue's 5% of the first steps measured (under ZeRO-2 the
+        # profile holds the gradients ZeRO-2 frees once reduced: an upper bound there). H200:
+        # plain 1.11 GiB predicted and measured; the plan 800.8 MiB against 768.8 measured.
         assert result["plain_predicted"] == pytest.approx(result["plain"], rel=0.03)
-        assert result["peak"] <= result["predicted"] <= result["peak"] * 1.03
+        assert result["peak"] <= result["predicted"] <= result["peak"] * 1.05
     assert result["planned_engine"] == result["given_engine"]  # the profile added no micro-step
     assert len(result["planned"]) == len(result["given"]) == STEPS
     # the same kernels on the same batches; rel 1e-6 leaves room for an atomic-add reduction
