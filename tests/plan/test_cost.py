@@ -108,8 +108,11 @@ def test_the_solvers_plans_are_predicted_within_5_percent_and_fit(profiled, frac
     assert len(set(plan.choices)) > 1, plan.choices  # a mix, not a uniform choice
     measured = _measured(model, inputs, modules, prof, plan.choices, plan.max_inflight)
     # Within the budget to 0.01%: a plan fills its budget to the byte, and on the loopback Llama
-    # a step measured 2 KiB (one (2, 256) float32) above a plan's prediction that no per-block
-    # term showed (held, forward and backward peaks matched to the byte); not found yet.
+    # a step measured 2 KiB above a plan's prediction: a 2048-byte storage every layer is
+    # given that a checkpoint saves as an input (split, full and their offloads) and keep does
+    # not; split's and full's counts hold it in layer 0's bytes alone, so where layer 0 keeps
+    # (or offloads without recompute) and a layer above saves it, no term counts it (open:
+    # `BlockProfile.shared_in` is counted per keep only).
     # Plans are chosen by measured times, so which choices come up here depends on the
     # machine's load: split_offload wherever it may sit is pinned below.
     assert measured <= budget * 1.0001, (plan.choices, measured, budget)
@@ -143,7 +146,7 @@ def test_split_offload_is_predicted_as_measured_wherever_it_sits(profiled):
         measured = _measured(model, inputs, modules, prof, choices)
         if name != "llama":
             assert predicted == measured, (choices, predicted, measured)  # LiveBytes: to the byte
-        else:  # the loopback Llama's unexplained 2 KiB, no more
+        else:  # the Llama's 2 KiB position storage (see the solver's plans above), no more
             assert measured - 2048 <= predicted <= measured * 1.05, (choices, predicted, measured)
 
 
@@ -168,6 +171,26 @@ def test_a_storage_moved_by_the_first_block_and_saved_in_place_above_is_counted(
                     ("full_offload",) + ("keep",) * (n - 1), ("split_offload", "split") * (n // 2),
                     ("split_offload", "offload") + ("keep",) * (n - 2)]:
         assert predict(prof, choices)[1] == _measured(model, inputs, modules, prof, choices), choices
+
+
+def test_an_offload_block_above_one_that_moves_less_is_never_predicted_under_what_it_holds(profiled):
+    """An offload block without recompute shares the engine's two storages reloaded ahead
+    (`RELOAD_STORAGES`) with the block below: its own first, the block below's once its own run
+    out, at the end of its backward. On the uneven stack the last block's uniform run peaked
+    there (its first op's backward, two of block 4's storages ahead), and its option was that
+    peak less both terms (up to four storages); with a kept block below, the model added its own
+    two storages only, and (split, keep, full_offload, split, keep, offload) measured 48392
+    bytes (0.72%) over its prediction, the last block's backward 412416 over: mid-backward,
+    its own storages ahead, it holds more than at the peak its uniform run read. The model now
+    counts at least what the uniform run had below it."""
+    name, model, inputs, modules, prof = profiled
+    n = len(prof.blocks)
+    for choices in [("split", "keep", "full_offload", "split", "keep", "offload")[:n] + ("keep",) * (n - 6),
+                    ("keep",) * (n - 1) + ("offload",), ("full",) * (n - 1) + ("offload",),
+                    ("split", "offload") * (n // 2)]:
+        for m in (1, 2):
+            measured = _measured(model, inputs, modules, prof, choices, m)
+            assert measured <= predict(prof, choices, m)[1], (choices, m, measured)
 
 
 MIXED = {
@@ -222,7 +245,7 @@ def test_full_offload_blocks_above_kept_ones_are_predicted_as_measured(profiled)
     assert tuple(b.reload_waits for b in prof.blocks) == RELOAD_WAITS[name]
     if name != "llama":
         assert predicted == measured, (name, predicted, measured)  # LiveBytes: to the byte
-    else:  # the loopback Llama's unexplained 2 KiB (see the solver's plans above)
+    else:  # the Llama's 2 KiB position storage (see the solver's plans above)
         assert measured * 0.999 <= predicted <= measured * 1.05, (name, predicted, measured)
 
 
