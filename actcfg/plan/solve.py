@@ -341,10 +341,8 @@ class _Terms:
             # less, or nothing), the peak it measured mid-backward, its own storages ahead,
             # came out under (the CPU uneven stack: split, keep, full_offload, split, keep,
             # offload measured 48392 bytes, 0.72%, over; its last block's backward 412416).
-            # So it counts at least what its uniform run had below it: safe, not exact (a narrow
-            # offload block above a kept wide one: up to those two wide storages over, 16% on
-            # the uneven stack); exact needs its backward's peak before and after the reloads
-            # below start, read apart.
+            # So it counts at least what its uniform run had below it: safe, not exact; `need`
+            # takes the smaller of that and the bound keep's run gives.
             below = max(below, self.moved_last(b - 1, base))
         # At most RELOAD_STORAGES storages of each ahead (the engine counts them): a kept block
         # above an offloaded one meets the two newest of its storages, not its bytes up to the
@@ -374,6 +372,20 @@ class _Terms:
             pin = self.pin(b, c)
             forward = self.inflight(b, p2, p1, c) + self.forward_peak(b, c) + self.grads + pin
             backward = self.reload_ahead(b, p1, c) + self.opt(b, c).backward_peak + pin
+            keep = self.p.blocks[b].options.get("keep")
+            if b >= 1 and self.moved(b, c) and CHOICE_OF[_base(c)].mode == "none" and keep is not None:
+                # An offload without recompute holds in its backward a part of what keep holds
+                # in its own (the storages used and reloaded are keep's, the rest not back yet),
+                # plus the reloads of the block below and a second copy of a storage an earlier
+                # block moved (`shared_in`): where its uniform run's peak came with more below
+                # it than it has here, this bounds it closer (a narrow offload block above a
+                # kept wide one on the uneven stack: 15.5% over without it, 1.7% with).
+                below = self.moved_last(b - 1, p1)
+                if self.p.blocks[b - 1].reload_ahead:
+                    below = min(below, self.p.blocks[b - 1].reload_ahead)
+                if self.back_window:
+                    below = min(below, self.back_window)
+                backward = min(backward, below + keep.backward_peak + self.shared_in[b] + pin)
             known = self._needs[key] = (forward, backward)
         return known
 
