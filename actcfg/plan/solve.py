@@ -332,7 +332,7 @@ class _Terms:
         if not self.back_window:
             return below
         own = self.moved(b, c) if b < self.n and base is not None and CHOICE_OF[base].mode == "none" else 0
-        if own and b >= 1:
+        if own and b >= 1 and self.p.blocks[b].reload_ahead:
             # An offload without recompute: its own storages and the block below's share the
             # engine's RELOAD_STORAGES, its own first (newest first), the block below's as its
             # own run out, at the end of its backward. Its uniform run's peak may come there
@@ -342,7 +342,8 @@ class _Terms:
             # came out under (the CPU uneven stack: split, keep, full_offload, split, keep,
             # offload measured 48392 bytes, 0.72%, over; its last block's backward 412416).
             # So it counts at least what its uniform run had below it: safe, not exact; `need`
-            # takes the smaller of that and the bound keep's run gives.
+            # takes the smaller of that and the bound keep's run gives. (A profile that did not
+            # count the engine's storages, `reload_ahead` 0, keeps the terms it was made with.)
             below = max(below, self.moved_last(b - 1, base))
         # At most RELOAD_STORAGES storages of each ahead (the engine counts them): a kept block
         # above an offloaded one meets the two newest of its storages, not its bytes up to the
@@ -373,7 +374,8 @@ class _Terms:
             forward = self.inflight(b, p2, p1, c) + self.forward_peak(b, c) + self.grads + pin
             backward = self.reload_ahead(b, p1, c) + self.opt(b, c).backward_peak + pin
             keep = self.p.blocks[b].options.get("keep")
-            if b >= 1 and self.moved(b, c) and CHOICE_OF[_base(c)].mode == "none" and keep is not None:
+            if b >= 1 and self.moved(b, c) and CHOICE_OF[_base(c)].mode == "none" and keep is not None \
+                    and self.p.blocks[b].reload_ahead:
                 # An offload without recompute holds in its backward a part of what keep holds
                 # in its own (the storages used and reloaded are keep's, the rest not back yet),
                 # plus the reloads of the block below and a second copy of a storage an earlier
