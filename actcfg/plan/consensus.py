@@ -122,6 +122,9 @@ def reduce_profiles(profiles: Sequence[Profile]) -> Profile:
             all(m.reload_waits for m in mine),
             # the most any rank reloads ahead; unknown (0: the window alone) if any rank's is
             0 if not all(m.reload_ahead for m in mine) else max(m.reload_ahead for m in mine),
+            # a storage shared on any rank is counted where it could stay (high, not low)
+            max(m.shared_in for m in mine),
+            max(m.shared_out for m in mine),
         ))
     measured = {
         c: {k: max(p.measured[c][k] for p in profiles) for k in first.measured[c]}

@@ -53,16 +53,21 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
               parts: list[tuple[str, ...]] | None = None, largest_storage: int = 0,
               window_storages: int = 0, left: dict[str, list[int]] | None = None,
               twice: dict[str, list[int]] | None = None,
-              reload_ahead: list[int] | None = None) -> Profile:
+              reload_ahead: list[int] | None = None,
+              shared: tuple[list[int], list[int]] | None = None) -> Profile:
     """The profile from the byte counts and the uniform runs (see `Option` for each term);
     `parts` names each block's parts (`checkpoint.submodules`); `largest_storage` and
     `window_storages` state the offload engine's copy window (see `Profile`); `left`, per
     choice counted, what each block's forward leaves alive until the turn (`Option.left`);
     `twice`, per choice counted, the bytes of each block's held count that an earlier block's
     count holds too (one storage: see `saved_bytes`' `passed_on`); `reload_ahead`, per block,
-    the most of it the engine holds reloaded ahead of use (`BlockProfile.reload_ahead`)."""
+    the most of it the engine holds reloaded ahead of use (`BlockProfile.reload_ahead`);
+    `shared`, per block, the bytes of storages it saves that an earlier block's keep count
+    holds, and of those it holds that a later block saves (`BlockProfile.shared_in`,
+    `shared_out`)."""
     n = len(names)
     ahead = list(reload_ahead or []) + [0] * (n - len(reload_ahead or []))
+    shared_in, shared_out = shared or ([0] * n, [0] * n)
     parts = parts or [()] * n
     cuda = device == "cuda"
     # Whether the engine waits past each block's recompute peak to reload the block below: as
@@ -188,9 +193,9 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
     plain_ms = ref.step.step_ms if not estimated_keep else ref.step.step_ms - sum(
         o["full"].recompute_ms for o in options)
     base = Profile(
-        blocks=tuple(BlockProfile(name, f, g, opts, ps, w, a)
-                     for name, f, g, opts, ps, w, a in zip(names, forward_ms, backward_ms, options, parts, waits,
-                                                           ahead)),
+        blocks=tuple(BlockProfile(name, f, g, opts, ps, w, a, si, so)
+                     for name, f, g, opts, ps, w, a, si, so in zip(names, forward_ms, backward_ms, options, parts,
+                                                                   waits, ahead, shared_in, shared_out)),
         plain_step_ms=plain_ms,
         plain_peak=0,
         turn_peak=max(0, max(turn_peaks)),
@@ -225,9 +230,9 @@ def assemble(names: list[str], held: dict[str, list[int]], runs: dict[str, Run],
             if o.extra_ms < floor:
                 options[b][c] = replace(o, extra_ms=floor)
     out = Profile(
-        blocks=tuple(BlockProfile(name, f, g, opts, ps, w, a)
-                     for name, f, g, opts, ps, w, a in zip(names, forward_ms, backward_ms, options, parts, waits,
-                                                           ahead)),
+        blocks=tuple(BlockProfile(name, f, g, opts, ps, w, a, si, so)
+                     for name, f, g, opts, ps, w, a, si, so in zip(names, forward_ms, backward_ms, options, parts,
+                                                                   waits, ahead, shared_in, shared_out)),
         plain_step_ms=base.plain_step_ms, plain_peak=0, turn_peak=base.turn_peak,
         turn_peaks=base.turn_peaks, after_turn_peak=base.after_turn_peak,
         after_turn_peaks=base.after_turn_peaks,

@@ -157,6 +157,14 @@ class BlockProfile:
     (`actcfg.runtime.offload`): the most of its offloaded bytes the engine holds reloaded ahead
     of their use at once, below the bytes window. 0: unknown (a profile from before the engine
     counted storages), bounded by the window alone."""
+    shared_in: int = 0
+    """Bytes of storages the block saves that an earlier block's `held` counts (a tensor given to
+    every block, as a Llama's rotary cos/sin, counts to the first block that saves it). Where
+    that block moves them (an offload choice) and this one keeps them in place (any other
+    choice), they stay on the device from the turn through this block's backward: the model
+    counts them to the lowest such block above it (`actcfg.plan.solve`, `PIN`)."""
+    shared_out: int = 0
+    """Bytes of storages the block's `held` counts that a later block saves too (`shared_in`)."""
 
     def taken(self, choice: str) -> tuple[str, ...]:
         """The modules the rule of `choice` takes for this block: its parts for a choice on
@@ -288,7 +296,8 @@ class Profile:
         blocks = tuple(
             BlockProfile(b["name"], b["forward_ms"], b["backward_ms"],
                          {c: Option(**o) for c, o in b["options"].items()}, tuple(b.get("parts", ())),
-                         bool(b.get("reload_waits", False)), int(b.get("reload_ahead", 0)))
+                         bool(b.get("reload_waits", False)), int(b.get("reload_ahead", 0)),
+                         int(b.get("shared_in", 0)), int(b.get("shared_out", 0)))
             for b in data["blocks"])
         rest = {k: v for k, v in data.items() if k != "blocks"}
         rest["notes"] = tuple(rest.get("notes", ()))

@@ -608,6 +608,8 @@ def profile(
             largest = [0] * len(blocks)
             sizes: list[list[int]] = [[] for _ in blocks]
             inputs: list[list[int]] = [[] for _ in blocks]  # what full keeps: each block's input
+            # storages a block saves that an earlier block's keep count holds, and the other way
+            shared_in, shared_out = [0] * len(blocks), [0] * len(blocks)
             held: dict[str, list[int]] = {}
             # The counting forwards (one per choice that recomputes, one for selective's saved
             # ops' outputs) stay: a forward without backward is cheap (~1/3 of a step), and the
@@ -632,7 +634,9 @@ def profile(
                         held[choice] = saved_bytes(
                             model, blocks, args, kwargs, left=None if compiled else left[choice],
                             kept_apart=apart, largest=largest if choice == "keep" else None,
-                            sizes=sizes if choice == "keep" else inputs if choice == "full" else None)
+                            sizes=sizes if choice == "keep" else inputs if choice == "full" else None,
+                            shared_in=shared_in if choice == "keep" else None,
+                            shared_out=shared_out if choice == "keep" else None)
                 except torch.cuda.OutOfMemoryError:
                     if choice != "keep":
                         raise
@@ -785,7 +789,8 @@ def profile(
                         largest_storage=max(largest, default=0) if offloaded else 0,
                         window_storages=WINDOW_STORAGES if offloaded else 0,
                         reload_ahead=[sum(sorted(per, reverse=True)[:RELOAD_STORAGES]) for per in sizes]
-                        if offloaded else None)
+                        if offloaded else None,
+                        shared=(shared_in, shared_out) if offloaded else None)
     compile_ms = sum(spent)
     total_ms = (time.perf_counter() - started) * 1000.0
     return dataclasses.replace(

@@ -9,6 +9,7 @@ the bytes counted are the bytes an offload would move.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -178,7 +179,8 @@ def saved_bytes(model: nn.Module, modules: Sequence[nn.Module], args: tuple[Any,
                 kwargs: dict[str, Any], save_ops: Sequence[Any] = (),
                 largest: list[int] | None = None, sizes: list[list[int]] | None = None,
                 left: list[int] | None = None, kept_apart: Sequence[Any] = (),
-                passed_on: list[int] | None = None) -> list[int]:
+                passed_on: list[int] | None = None, shared_in: list[int] | None = None,
+                shared_out: list[int] | None = None) -> list[int]:
     """Bytes of the storages autograd saves inside each module's forward (its first call; each
     storage counted once, parameters and leaves that require grad left out); with `save_ops`,
     the bytes of those ops' outputs there instead (what selective checkpointing keeps besides
@@ -198,21 +200,46 @@ def saved_bytes(model: nn.Module, modules: Sequence[nn.Module], args: tuple[Any,
     each module's entry the bytes of the counted outputs of earlier modules it takes as its
     input: selective checkpointing holds such a storage once, where the counts give it twice
     (the earlier module's saved output, and the input this module's checkpoint keeps). Eager
-    only: compiled graphs run below the dispatch mode that sees the ops."""
+    only: compiled graphs run below the dispatch mode that sees the ops.
+
+    `shared_in` and `shared_out`, when given (one entry per module, not with `save_ops`), get
+    the storages one module saves that an earlier one counted (each storage once per module):
+    into the later module's `shared_in` and, once per storage, into the module that counted
+    it's `shared_out`. A Llama gives every layer its rotary cos/sin, counted to layer 0 alone:
+    where layer 0 offloads them and a later layer saves them in place, they stay on the device
+    (`BlockProfile.shared_in`)."""
     where = _Attribution(modules)
     out = [0] * len(modules)
     seen = _Storages()
+    # address -> (the module that counted the storage there, its number): a new storage at an
+    # address a freed one had is another storage, with a number of its own
+    owner: dict[int, tuple[int, int]] = {}
+    shared: set[tuple[int, int]] = set()  # (module, storage number) counted in `shared_in`
+    passed: set[int] = set()  # storage numbers counted in `shared_out`
+    numbers = itertools.count()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         i = where.current
         if i is not None and not save_ops and counted(t):
             storage = t.untyped_storage()
+            key = storage.data_ptr()
             if storage.nbytes() and seen.add(storage):
                 out[i] += storage.nbytes()
+                owner[key] = (i, next(numbers))
                 if largest is not None:
                     largest[i] = max(largest[i], storage.nbytes())
                 if sizes is not None:
                     sizes[i].append(storage.nbytes())
+            elif storage.nbytes() and shared_in is not None and key in owner:
+                # Counted already (the same live storage: `seen.add` said so), maybe by an
+                # earlier module.
+                j, number = owner[key]
+                if j != i and (i, number) not in shared:
+                    shared.add((i, number))
+                    shared_in[i] += storage.nbytes()
+                    if shared_out is not None and number not in passed:
+                        passed.add(number)
+                        shared_out[j] += storage.nbytes()
         # Never `t` itself: an op that saves its own output (tanh, gelu, sdpa) would then hold
         # that output through its own grad_fn, a cycle inside autograd's C++ that gc cannot
         # see, and this forward (never followed by backward) would keep everything it saved.

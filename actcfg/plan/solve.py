@@ -33,6 +33,9 @@ the sum of their `held`; M_b: bytes block b copies each way; d_b, h_b: those cop
   through b's backward (`reload_waits`; a choice on parts), it meets the rest of that
   backward: S + `reload_level` + that reload. A profile
   without the window (W = 0) counts whole blocks, as the engine's first step copies them.
+  A storage every block is given (a Llama's rotary cos/sin) counts to the first block that saves
+  it; where that block offloads, the lowest block above it that keeps it in place holds it, in
+  its forward, its backward and S of every term after (`PIN`).
 * step time = the plain step + each block's `extra_ms` (recompute, and what its uniform run
   measured beyond this model) + the copy time nothing hides: a block's copy to the host hides
   behind the forward of the blocks up to the next launch that must wait for it (the next
@@ -142,6 +145,10 @@ class Plan:
                 "step_ms": self.step_ms, "peak": self.peak, "budget": self.budget}
 
 
+PENDING = 4
+"""A bit of the dynamic program's phase (`_Terms.labelled`): storages moved wait for a block
+that keeps them in place (`PIN`)."""
+
 LAST = "!"
 """Marks, inside the model, an offload choice on the last block that offloads (`full_offload!`):
 the engine copies that block whole at its end (it opens as the group that stays for backward)
@@ -152,12 +159,28 @@ block, as every block's last part does in the choice's uniform run. Never in a p
 choices."""
 
 
+PIN = "^"
+"""Marks, inside the model, an on-device choice (`keep^`) on the lowest block that saves in place
+a storage an earlier block moved (`BlockProfile.shared_in`): a Llama gives every layer the
+rotary cos/sin, and the keep count holds them in layer 0's bytes alone. Where layer 0 offloads
+them, the engine moves layer 0's copy, but a later layer that keeps them in place holds the
+storage on the device from the turn through its backward (the engine's copy frees nothing,
+and layer 0 reloads it beside it once that layer's backward is done). Neither block's `held`
+counts it: the marked block adds its `shared_in` to its held bytes, forward and backward.
+Never in a plan's choices."""
+
+
 def _base(c: str | None) -> str | None:
     try:
         return _BASES[c]
     except KeyError:
-        base = _BASES[c] = c[:-len(LAST)] if c is not None and c.endswith(LAST) else c
+        base = c[:-1] if c is not None and (c.endswith(LAST) or c.endswith(PIN)) else c
+        _BASES[c] = base
         return base
+
+
+def _pinned(c: str | None) -> bool:
+    return c is not None and c.endswith(PIN)
 
 
 def _last(c: str | None) -> bool:
@@ -195,6 +218,9 @@ class _Terms:
         self.grads = profile.forward_grads
         self.outside = max(profile.outside_peak, profile.head_peak + self.grads) if self.grads \
             else profile.outside_peak
+        # Storages a block saves that an earlier one's bytes count, and the other way (`PIN`).
+        self.shared_in = [b.shared_in for b in profile.blocks]
+        self.shared_out = [b.shared_out for b in profile.blocks]
         # The dynamic program asks for the same terms from every phase and every search
         # (`solve`'s coarse one, then the exact one): each is worked out once.
         self._needs: dict[tuple[int, str | None, str | None, str], tuple[int, int]] = {}
@@ -205,6 +231,26 @@ class _Terms:
 
     def offloads(self, c: str | None) -> bool:
         return _base(c) in OFFLOADS
+
+    def pin(self, b: int, c: str | None) -> int:
+        """Bytes block b (label c) holds in place for an earlier block that moved them (`PIN`)."""
+        return self.shared_in[b] if _pinned(c) else 0
+
+    def held(self, b: int, c: str) -> int:
+        """What block b (label c) holds from its forward through its backward."""
+        return self.opt(b, c).held + self.pin(b, c)
+
+    def labels(self, choices: tuple[str, ...] | list[str]) -> list[str]:
+        """`choices` labelled as the model reads them: the last offloaded block (`LAST`) and the
+        block that holds in place what an earlier one moved (`PIN`), as `labelled` takes them
+        block by block."""
+        offloaded = [b for b, c in enumerate(choices) if c in OFFLOADS]
+        out, phase = [], 0
+        for b, c in enumerate(choices):
+            options = self.labelled(b, c, phase)  # an offload: (not the last, the last)
+            label, phase = options[-1] if offloaded and b == offloaded[-1] else options[0]
+            out.append(label)
+        return out
 
     def moved(self, b: int, c: str | None) -> int:
         return self.opt(b, c).moved if self.offloads(c) else 0
@@ -296,6 +342,19 @@ class _Terms:
         # MLP's and the block below a narrow one's).
         if below:  # of the block below, its newest storages: they come back first
             below = self.below_reload(b, p1)
+        # An offload without recompute: its own storages and the block below's share the
+        # engine's RELOAD_STORAGES, its own first (newest first), the block below's as its
+        # own run out, at the end of its backward. Its uniform run's peak may come there
+        # (the first op's backward beside two of the storages below), and its option is
+        # that peak less both terms; counted with less below it (a block below that moves
+        # less, or nothing), the peak it measured mid-backward, its own storages ahead,
+        # came out under (the CPU uneven stack: split, keep, full_offload, split, keep,
+        # offload measured 48392 bytes, 0.72%, over; its last block's backward 412416).
+        # So it counts at least what its uniform run had below it: safe, not exact; `need`
+        # takes the smaller of that and the bound keep's run gives. (A profile that did not
+        # count the engine's storages, `reload_ahead` 0, keeps the terms it was made with.)
+        if own and b >= 1 and self.p.blocks[b].reload_ahead:
+            below = max(below, self.below_reload(b, base))
         if b < self.n and self.p.blocks[b].reload_ahead:
             own = min(own, self.p.blocks[b].reload_ahead)
         return min(below + own, self.back_window)
@@ -331,12 +390,24 @@ class _Terms:
         key = (b, p2, p1, c)
         known = self._needs.get(key)
         if known is None:
-            forward = self.inflight(b, p2, p1, c) + self.forward_peak(b, c) + self.grads
+            pin = self.pin(b, c)
+            forward = self.inflight(b, p2, p1, c) + self.forward_peak(b, c) + self.grads + pin
             o = self.opt(b, c)
-            backward = self.reload_ahead(b, p1, c) + o.backward_peak
+            backward = self.reload_ahead(b, p1, c) + o.backward_peak + pin
             below = self.below_reload(b, p1) if o.reload_level >= 0 else 0
             if below:  # the reload below, begun late, meets the rest of the backward
-                backward = max(backward, o.reload_level + below)
+                backward = max(backward, o.reload_level + below + pin)
+            keep = self.p.blocks[b].options.get("keep")
+            if b >= 1 and self.moved(b, c) and CHOICE_OF[_base(c)].mode == "none" and keep is not None \
+                    and self.p.blocks[b].reload_ahead:
+                # An offload without recompute holds in its backward a part of what keep holds
+                # in its own (the storages used and reloaded are keep's, the rest not back yet),
+                # plus the reloads of the block below and a second copy of a storage an earlier
+                # block moved (`shared_in`): where its uniform run's peak came with more below
+                # it than it has here, this bounds it closer (a narrow offload block above a
+                # kept wide one on the uneven stack: 15.5% over without it, 1.7% with).
+                backward = min(backward, self.below_reload(b, p1) + keep.backward_peak
+                               + self.shared_in[b] + pin)
             known = self._needs[key] = (forward, backward)
         return known
 
@@ -416,15 +487,22 @@ class _Terms:
         the states 7 x 7 x phases, and a 12-block GPT-2 took 0.54 s to solve on an H200's host."""
         return c if b == self.n - 1 or self.offloads(c) else None
 
-    def labelled(self, c: str, phase: int) -> list[tuple[str, int]]:
-        """The labels choice c may take after `phase`, each with the phase after it. Phases: 0
-        nothing offloaded yet, 1 offloaded and the last offloaded block still to come, 2 the
-        last offloaded block placed (no offload after it)."""
+    def labelled(self, b: int, c: str, phase: int) -> list[tuple[str, int]]:
+        """The labels choice c of block b may take after `phase`, each with the phase after it.
+        Phases: 0 nothing offloaded yet, 1 offloaded and the last offloaded block still to come,
+        2 the last offloaded block placed (no offload after it); plus `PENDING` while a block
+        that moved storages later blocks save (`shared_out`) has none above it that keeps
+        them in place yet (the first that does is labelled `PIN`)."""
+        pending, phase = phase & PENDING, phase & ~PENDING
         if c not in OFFLOADS:
-            return [(c, phase)]
+            if pending and self.shared_in[b]:
+                return [(c + PIN, phase)]
+            return [(c, phase | pending)]
         if phase == 2:
             return []
-        return [(c, 1), (c if CHOICE_OF[c].parts else c + LAST, 2)]
+        if self.shared_out[b]:
+            pending = PENDING
+        return [(c, 1 | pending), (c if CHOICE_OF[c].parts else c + LAST, 2 | pending)]
 
 
 def uniform_copies(profile: Profile, choice: str) -> tuple[list[int], list[int], int]:
@@ -459,10 +537,10 @@ def predict(profile: Profile, choices: tuple[str, ...] | list[str], max_inflight
     held = left = 0
     p2: str | None = None
     p1: str | None = None
-    for b, c in enumerate(_labels(choices)):
+    for b, c in enumerate(t.labels(choices)):
         forward, backward = t.need(b, p2, p1, c)
         peak = max(peak, held + left + forward, held + backward)
-        held += t.opt(b, c).held
+        held += t.held(b, c)
         left += t.left(b, c)
         step += t.cost(b, c)
         if b >= 1:
@@ -587,7 +665,7 @@ def _fastest(t: _Terms, budget: int, choices: tuple[str, ...], within: float = m
         terms: dict[tuple[str | None, str | None, str], tuple[int, int, int, Option, float]] = {}
         for (p2, p1, phase), entries in fronts.items():
             for choice in choices:
-                for c, after in t.labelled(choice, phase):
+                for c, after in t.labelled(b, choice, phase):
                     known = terms.get((p2, p1, c))
                     if known is None:  # the same for every phase
                         forward, backward = t.need(b, p2, p1, c)
@@ -597,7 +675,7 @@ def _fastest(t: _Terms, budget: int, choices: tuple[str, ...], within: float = m
                     forward, backward, room, o, dt = known
                     if room < 0:
                         continue
-                    held, left, moved = o.held, o.left, o.moved
+                    held, left, moved = t.held(b, c), o.left, o.moved
                     room = min(room, cap_held - held)
                     room_left = min(budget - forward, cap_held_left - held - left)
                     too_slow = slow - dt - later_ms
@@ -613,7 +691,7 @@ def _fastest(t: _Terms, budget: int, choices: tuple[str, ...], within: float = m
             return None
     best: tuple[Any, ...] | None = None
     for (p2, p1, phase), entries in fronts.items():
-        if phase == 1:  # an offloaded block was taken for not the last, and none came after
+        if phase & ~PENDING == 1:  # an offloaded block was taken for not the last, and none came after
             continue
         room = budget - t.turn(p2, p1)
         tail = t.exposed(t.n - 1, p1, None) if t.n else 0.0
@@ -647,14 +725,15 @@ def lowest_plan(profile: Profile, max_inflight: int = 1) -> tuple[int, tuple[str
         new: dict[tuple[str | None, str | None, int], list[tuple[int, int, int, tuple[str, ...]]]] = {}
         for (p2, p1, phase), entries in fronts.items():
             for choice in choices:
-                for c, after in t.labelled(choice, phase):
+                for c, after in t.labelled(b, choice, phase):
                     (forward, backward), o = t.need(b, p2, p1, c), t.opt(b, c)
+                    held = t.held(b, c)
                     new.setdefault((t.as_before_last(p1), c, after), []).extend(
-                        (s + o.held, lf + o.left, max(pk, s + lf + forward, s + backward), cs + (choice,))
+                        (s + held, lf + o.left, max(pk, s + lf + forward, s + backward), cs + (choice,))
                         for s, lf, pk, cs in entries)
         fronts = {k: _dominant(v, 1) for k, v in new.items()}
     peak, picked = min(((max(pk, s + t.turn(p2, p1, lf)), cs)
-                        for (p2, p1, phase), v in fronts.items() if phase != 1
+                        for (p2, p1, phase), v in fronts.items() if phase & ~PENDING != 1
                         for s, lf, pk, cs in v), key=lambda e: e[0])
     return max(t.outside, peak) + profile.accumulated_grads, picked
 

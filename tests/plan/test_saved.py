@@ -49,13 +49,14 @@ def test_each_llama_layer_counts_what_it_holds_and_the_shared_rotary_tables_once
     """Counted with hooks against the meter: between two layers' starts the live bytes grow by
     what the first holds. cos and sin, made once before the layers and saved by every one, are
     counted once, in the first layer (they are alive before it: what it holds is one table
-    pair less than its count)."""
+    pair less than its count); the layers above name them as saved by an earlier one."""
     torch.manual_seed(0)
     model = tiny_llama(3, hidden_size=64, intermediate_size=176, num_attention_heads=2,
                        num_key_value_heads=2).train()
     ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(1))
     layers = list(model.model.layers)
-    counted = saved_bytes(model, layers, (), {"input_ids": ids})
+    shared_in, shared_out = [0] * 3, [0] * 3
+    counted = saved_bytes(model, layers, (), {"input_ids": ids}, shared_in=shared_in, shared_out=shared_out)
     live = LiveBytes()
     starts: list[int] = []
 
@@ -77,6 +78,8 @@ def test_each_llama_layer_counts_what_it_holds_and_the_shared_rotary_tables_once
     assert counted[1:-1] == held[1:]
     assert counted[0] == held[0] + tables
     assert counted[1] == counted[2]
+    # every layer above the first saves the tables layer 0 counted (`BlockProfile.shared_in`)
+    assert shared_in == [0, tables, tables] and shared_out == [tables, 0, 0]
 
 
 class _Cast(nn.Module):

@@ -134,6 +134,54 @@ def test_the_dynamic_program_finds_the_same_optimum_as_trying_every_plan(seed):
     assert smallest_peak(profile) == min(peak for (_, peak), _, m in plans if m == 1)
 
 
+def _shared(profile: Profile, nbytes: int) -> Profile:
+    """`profile` with a storage of `nbytes` every block saves, counted to block 0 (a Llama's
+    rotary tables: `BlockProfile.shared_in`)."""
+    blocks = tuple(dataclasses.replace(b, shared_out=nbytes if i == 0 else 0, shared_in=0 if i == 0 else nbytes)
+                   for i, b in enumerate(profile.blocks))
+    return dataclasses.replace(profile, blocks=blocks)
+
+
+def test_a_storage_the_first_block_moves_and_a_later_one_keeps_in_place_is_held_by_that_one():
+    """Block 0 counts the shared storage (7 bytes); where it offloads, the lowest block above it
+    that keeps the storage in place holds it from its forward through its backward (the turn
+    too), and no block below it does; where block 0 keeps it, it is in block 0's bytes alone."""
+    shared = _shared(_profile([_keep_full(1.0), _keep_full(1.0), _keep_full(1.0)], gbps=0.0), 7)
+    plain = _profile([_keep_full(1.0)] * 3, gbps=0.0)
+    offload = {"keep": Option(held=10, forward_peak=10, backward_peak=12),
+               "full": Option(held=1, forward_peak=10, backward_peak=12, recompute_ms=1.0, extra_ms=1.0),
+               "offload": Option(held=2, moved=8, forward_peak=10, backward_peak=12, extra_ms=0.5)}
+    shared = dataclasses.replace(shared, blocks=tuple(dataclasses.replace(b, options=offload)
+                                                      for b in shared.blocks))
+    plain = dataclasses.replace(plain, blocks=tuple(dataclasses.replace(b, options=offload)
+                                                    for b in plain.blocks))
+    for choices, extra in [(("offload", "keep", "keep"), 7),  # block 1 holds it: the turn sees it
+                           (("offload", "offload", "full"), 7),  # block 2 does
+                           (("offload", "offload", "offload"), 0),  # moved, never kept in place
+                           (("keep", "offload", "keep"), 0),  # block 0's bytes hold it
+                           (("full", "keep", "offload"), 0)]:
+        assert predict(shared, choices)[1] == predict(plain, choices)[1] + extra, choices
+    # offload, keep, keep: the turn, 2 + 17 + 10 + 3 = 32
+    assert predict(shared, ("offload", "keep", "keep"))[1] == 32
+    # offload, full, full: block 1's backward, block 0's reload beside it: 2 + 8 + 7 + 12 = 29
+    assert predict(shared, ("offload", "full", "full"))[1] == 29
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_dynamic_program_counts_a_shared_storage_as_predict_does(seed):
+    profile = _shared(_random_profile(300 + seed, 4), 6)
+    plans = [(predict(profile, cs, m), cs, m)
+             for cs in itertools.product(profile.choices(), repeat=4) for m in (1, 2)]
+    lo = min(peak for (_, peak), _, _ in plans)
+    hi = max(peak for (_, peak), _, _ in plans)
+    for budget in (lo, (lo + hi) // 2, hi):
+        best = min(step for (step, peak), _, _ in plans if peak <= budget)
+        plan = solve(profile, budget)
+        assert plan.peak <= budget
+        assert plan.step_ms == pytest.approx(best, abs=1e-9)
+    assert smallest_peak(profile) == min(peak for (_, peak), _, m in plans if m == 1)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_monotone_in_the_budget_and_never_above_it(seed):
     profile = _random_profile(100 + seed, 12)
