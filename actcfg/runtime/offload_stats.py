@@ -98,8 +98,9 @@ class OffloadStats:
     """Times the compute stream waited for a copy to the host in the last step (its window of
     copies in flight was full, or at the turn): copy time compute did not hide."""
     most_inflight: int = 0
-    """Most copies to the host in flight at once in the last step: groups in the first step (at
-    most `max_inflight`), storages after (within `max_inflight` windows of bytes)."""
+    """Most copies to the host in flight at once in the last step: storages, within
+    `max_inflight` windows of bytes (a whole group is one copy only where it leaves at once: the
+    last offloaded group, under `keep_last` 0)."""
     device_bytes: int = 0
     """Bytes of offloadable storages the engine holds on the device now: those of groups marked
     for offload not yet released after their copy (the open group, copies in flight, groups kept
