@@ -119,9 +119,8 @@ def _random_profile(seed: int, n: int) -> Profile:
                     after=rng.uniform(0, 2), before=rng.uniform(0, 2))
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_the_dynamic_program_finds_the_same_optimum_as_trying_every_plan(seed):
-    profile = _random_profile(seed, 4)
+def _same_optimum_as_every_plan(profile: Profile) -> None:
+    """`solve` and `smallest_peak` on a 4-block profile agree with trying every plan."""
     plans = [(predict(profile, cs, m), cs, m)
              for cs in itertools.product(profile.choices(), repeat=4) for m in (1, 2)]
     lo = min(peak for (_, peak), _, _ in plans)
@@ -132,6 +131,11 @@ def test_the_dynamic_program_finds_the_same_optimum_as_trying_every_plan(seed):
         assert plan.peak <= budget
         assert plan.step_ms == pytest.approx(best, abs=1e-9)
     assert smallest_peak(profile) == min(peak for (_, peak), _, m in plans if m == 1)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_dynamic_program_finds_the_same_optimum_as_trying_every_plan(seed):
+    _same_optimum_as_every_plan(_random_profile(seed, 4))
 
 
 def _shared(profile: Profile, nbytes: int) -> Profile:
@@ -169,17 +173,7 @@ def test_a_storage_the_first_block_moves_and_a_later_one_keeps_in_place_is_held_
 
 @pytest.mark.parametrize("seed", range(4))
 def test_the_dynamic_program_counts_a_shared_storage_as_predict_does(seed):
-    profile = _shared(_random_profile(300 + seed, 4), 6)
-    plans = [(predict(profile, cs, m), cs, m)
-             for cs in itertools.product(profile.choices(), repeat=4) for m in (1, 2)]
-    lo = min(peak for (_, peak), _, _ in plans)
-    hi = max(peak for (_, peak), _, _ in plans)
-    for budget in (lo, (lo + hi) // 2, hi):
-        best = min(step for (step, peak), _, _ in plans if peak <= budget)
-        plan = solve(profile, budget)
-        assert plan.peak <= budget
-        assert plan.step_ms == pytest.approx(best, abs=1e-9)
-    assert smallest_peak(profile) == min(peak for (_, peak), _, m in plans if m == 1)
+    _same_optimum_as_every_plan(_shared(_random_profile(300 + seed, 4), 6))
 
 
 @pytest.mark.parametrize("seed", range(4))
