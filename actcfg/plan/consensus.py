@@ -82,6 +82,7 @@ def _worst_option(options: Sequence[Option]) -> Option:
         options = [dataclasses.replace(o, moved_last=o.moved) if o.moved_last < 0 else o for o in options]
     worst = Option(**{f.name: max(getattr(o, f.name) for o in options)
                       for f in dataclasses.fields(Option)})
+    # `reload_level` -1 is not measured (no term): the max keeps a rank's measured level.
     # `moved_first` -1 is not measured, bounded by the block's larger `reload_ahead`: a rank's -1
     # stays -1, not another's smaller measured bytes
     if any(o.moved_first < 0 for o in options):

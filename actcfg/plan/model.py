@@ -126,8 +126,8 @@ class Option:
     """Where the block's backward begins reloading the block below only part way through
     (a recompute the engine waits past, `BlockProfile.reload_waits`; a choice on parts, under
     its first part): the peak of the rest of its backward above S, less the reload below its
-    uniform run held there. A larger reload below (an `offload` block's two widest storages
-    where that run reloaded one block input) meets this level, not `backward_peak`: the model
+    uniform run held there. A larger reload below (an `offload` block's two newest storages,
+    `moved_first`, where that run reloaded one block input) meets this level, not `backward_peak`: the model
     takes the larger of the two. Read from the offload twin's uniform run (`full_offload` for a
     whole recompute, `split_offload` for parts); -1: not measured (no such run, or the reload
     below never began in its backward)."""

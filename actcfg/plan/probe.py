@@ -387,10 +387,10 @@ class Probe:
     def reload_began(self, block: int) -> None:
         """Block `block`'s backward begins reloading the blocks below it (the offload engine's
         `reloads_below`): its backward is read in two spans from here, and the second
-        (`StepReading.below_peak`) is what a larger reload below would add to. Where the engine waits past the recompute's
-        peak to reload the block below (`GradProgress`), or a block on parts reloads it under its
-        first part, the larger reload meets a lower level than the whole backward's peak, but
-        one that is not the recompute's either: on an H200 the attention's backward after that
+        (`StepReading.below_peak`) is what a larger reload below would add to. Where the engine
+        waits past the recompute's peak to reload the block below (`GradProgress`), or a block
+        on parts reloads it under its first part, the larger reload meets a lower level than
+        the whole backward's peak, but one that is not the recompute's either: on an H200 the attention's backward after that
         signal, with two of an offloaded block's wide storages reloaded, was 41 MiB above the
         block's recompute peak, which an `offload` block's own reload had never been read at."""
         if not self.recording or self.open != block or self.bwd_before_below[block] >= 0:

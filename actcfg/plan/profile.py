@@ -359,9 +359,11 @@ def _run(model: nn.Module, modules: Sequence[nn.Module], names: Sequence[str], c
             # rest of that backward too (`StepReading.below_peak`).
             block_of = {n: b for b, n in enumerate(names)}
 
-            def reloads_below(index: int, probe: Probe = probe) -> None:
-                b = _block_of(handle.offload_group_names.get(index, ""), block_of)
-                if b is not None:
+            def reloads_below(index: int, below: int, probe: Probe = probe) -> None:
+                groups = handle.offload_group_names
+                b = _block_of(groups.get(index, ""), block_of)
+                # not a block's later part reloading its own earlier part (split_offload's)
+                if b is not None and _block_of(groups.get(below, ""), block_of) != b:
                     probe.reload_began(b)
             handle.engine.reloads_below = reloads_below
         # warm-up: pinned pools, allocator, kernels. Every run, the on-device ones after keep

@@ -32,7 +32,7 @@ the sum of their `held`; M_b: bytes block b copies each way; d_b, h_b: those cop
   `moved_first`, which come back first). Where the reload of block b-1 begins part way
   through b's backward (`reload_waits`; a choice on parts), it meets the rest of that
   backward: S + `reload_level` + that reload. A profile
-  without the window (W = 0) counts whole blocks, as the engine's first step copies them.
+  without the window (W = 0) counts whole blocks (a profile from before the engine's window).
   A storage every block is given (a Llama's rotary cos/sin) counts to the first block that saves
   it; where that block offloads, the lowest block above it that keeps it in place holds it, in
   its forward, its backward and S of every term after (`PIN`).
@@ -174,7 +174,8 @@ def _base(c: str | None) -> str | None:
     try:
         return _BASES[c]
     except KeyError:
-        base = c[:-1] if c is not None and (c.endswith(LAST) or c.endswith(PIN)) else c
+        base = c[:-len(LAST)] if c is not None and c.endswith(LAST) else \
+            c[:-len(PIN)] if c is not None and c.endswith(PIN) else c
         _BASES[c] = base
         return base
 
@@ -353,7 +354,7 @@ class _Terms:
         # So it counts at least what its uniform run had below it: safe, not exact; `need`
         # takes the smaller of that and the bound keep's run gives. (A profile that did not
         # count the engine's storages, `reload_ahead` 0, keeps the terms it was made with.)
-        if own and b >= 1 and self.p.blocks[b].reload_ahead:
+        if own and b >= 1 and self.p.blocks[b].reload_ahead and base in self.p.blocks[b - 1].options:
             below = max(below, self.below_reload(b, base))
         if b < self.n and self.p.blocks[b].reload_ahead:
             own = min(own, self.p.blocks[b].reload_ahead)

@@ -16,7 +16,8 @@ fastest offload runtimes do (../shared/reference/BACKENDS.md section 3):
   its copies each time autograd saves a tensor and at each boundary, and a copy waited for is
   released as the wait is queued. The group still open at the end of a forward never leaves the
   GPU (backward needs it first), nor do the last `keep_last` groups marked for offload (known
-  from the step before; in the first step, those whose copies are still in flight at the end);
+  from the step before; in the first step, the storages whose copies are still in flight at
+  the end);
   under the group that stays, at most one copy is left in flight, so the turn holds that group
   and one copy. The other copies are waited for at the end of forward. What the engine holds is
   counted (`OffloadStats.device_bytes` and its high-water marks, forward and backward); the
@@ -615,12 +616,14 @@ class OffloadEngine:
         # is needed first.
         self._deferred: list[_Group] = []
         self._progress: weakref.WeakKeyDictionary[nn.Module, GradProgress] = weakref.WeakKeyDictionary()
-        self.reloads_below: Callable[[int], None] | None = None
-        """Called with a group's index where its backward begins reloading the groups below it
-        (before their device memory is allocated): at its module's gradient signal where that
-        reload waited (`GradProgress`), whether or not anything below was moved, else where its
-        first reload of a lower group starts. The planner's probe splits the block's backward
-        there (`actcfg.plan.probe.Probe.reload_began`)."""
+        self.reloads_below: Callable[[int, int], None] | None = None
+        """Called with a group's index and the index of the group below it that it reloads
+        first, where its backward begins reloading the groups below it (before their device
+        memory is allocated): at its module's gradient signal where that reload waited
+        (`GradProgress`), whether or not anything below was moved, else where its first reload
+        of a lower group starts. The planner's probe splits a block's backward there where the
+        group below is another block's, not the block's own earlier part
+        (`actcfg.plan.probe.Probe.reload_began`)."""
         self._closed = False
         self._warned_no_effect = False
         # Unpin the pool even if close() is never called: freed memory must not stay registered.
@@ -729,8 +732,9 @@ class OffloadEngine:
         chunks = [c for c in group.live() if c.gpu is not None and c.host is None]
         if expected is None and chunks:
             # The first step (which groups stay for backward is not known yet, so the group
-            # leaves only as the next one opens): storage by storage, within a window of the
-            # largest storage met so far, as later steps' groups do. Copied whole with
+            # leaves only as the next one opens): storage by storage, within a window of
+            # `max_inflight` x WINDOW_STORAGES of the largest storage met so far, as later
+            # steps' groups do. Copied whole with
             # `max_inflight` groups in flight, a block's every activation stayed on the device
             # beside the next block's forward until the host saw its copy done: on an H200 a
             # plan's first step peaked 12-21% above its later steps, which the planner predicts.
@@ -1060,8 +1064,10 @@ class OffloadEngine:
             count += 1
             cursor -= 1
         step.cursor = cursor
-        if self.reloads_below is not None and any(t.group.index < group.index for t in targets):
-            self.reloads_below(group.index)
+        if self.reloads_below is not None:
+            lower = [t.group.index for t in targets if t.group.index < group.index]
+            if lower:
+                self.reloads_below(group.index, max(lower))
         if targets:
             self._reload(targets)
         if recompute_begins:
@@ -1114,7 +1120,10 @@ class OffloadEngine:
                 progress.silent = 0
             self._stats.reload_deferred(group.index)
         if self.reloads_below is not None:
-            self.reloads_below(group.index)
+            gaps = group.step.gaps
+            below = next((i for i in range(group.index - 1, -1, -1) if not gaps[i]), None)
+            if below is not None:
+                self.reloads_below(group.index, below)
         self._prefetch(group, seq)
 
     def _settle_deferred(self, group: _Group) -> None:

@@ -240,7 +240,11 @@ def test_a_reload_below_begun_past_the_recompute_meets_the_rest_of_that_backward
         n = len(prof.blocks)
         for choices in [("offload",) * k + ("full",) * (n - k) for k in (1, 2, 3)] + [
                 ("offload", "offload", "full", "full", "full_offload", "keep"),
-                ("offload", "selective") + ("full",) * (n - 2)]:
+                ("offload", "selective") + ("full",) * (n - 2),
+                # on parts: the block below comes back under the first part, not where the
+                # later part reloads the block's own earlier one
+                ("offload", "split") + ("full",) * (n - 2),
+                ("offload", "split_offload") + ("full",) * (n - 2)]:
             predicted = predict(prof, choices)[1]
             measured = _measured(model, x, modules, prof, choices)
             assert measured <= predicted <= measured * 1.01, (choices, predicted, measured)

@@ -481,8 +481,8 @@ def test_no_held_verdict_without_the_engine_or_without_checkpointing():
 
 def test_an_in_place_change_before_a_storage_leaves_is_an_error_in_every_step():
     """From the second step a storage leaves as soon as the next one is saved; an in-place change
-    queued before that is caught when its copy starts, as the whole-group copy of the first step
-    catches it at the boundary: backward raises instead of using changed values."""
+    queued before that is caught when its copy starts, as the first step's copies, launched at
+    the group's boundary, catch it there: backward raises instead of using changed values."""
     with host_loopback():
         engine = OffloadEngine(pin=False, min_offload_bytes=0, keep_last=1, device="cpu")
         x = torch.randn(256, requires_grad=True)
