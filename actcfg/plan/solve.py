@@ -191,15 +191,6 @@ def _last(c: str | None) -> bool:
 _BASES: dict[str | None, str | None] = {}  # label -> choice: the solver asks for it per term
 
 
-def _labels(choices: tuple[str, ...] | list[str]) -> list[str]:
-    """`choices` with the last offloaded block marked (see `LAST`; not a choice on parts)."""
-    out = list(choices)
-    offloaded = [i for i, c in enumerate(out) if c in OFFLOADS]
-    if offloaded and not CHOICE_OF[out[offloaded[-1]]].parts:
-        out[offloaded[-1]] += LAST
-    return out
-
-
 class _Terms:
     """The model's terms for one profile and one `max_inflight`. Choices may carry `LAST`."""
 
@@ -407,8 +398,7 @@ class _Terms:
                 # block moved (`shared_in`): where its uniform run's peak came with more below
                 # it than it has here, this bounds it closer (a narrow offload block above a
                 # kept wide one on the uneven stack: 15.5% over without it, 1.7% with).
-                backward = min(backward, self.below_reload(b, p1) + keep.backward_peak
-                               + self.shared_in[b] + pin)
+                backward = min(backward, self.below_reload(b, p1) + keep.backward_peak + self.shared_in[b])
             known = self._needs[key] = (forward, backward)
         return known
 
@@ -513,7 +503,7 @@ def uniform_copies(profile: Profile, choice: str) -> tuple[list[int], list[int],
     these above what the blocks hold; the cost model (`actcfg.plan.cost`) takes them off what
     a uniform run measured. One model, used both ways. Needs only each option's `moved`."""
     t = _Terms(profile, 1)
-    labels: list[str | None] = [None, None, *_labels([choice] * t.n)]  # labels[b + 2]: block b's
+    labels: list[str | None] = [None, None, *t.labels([choice] * t.n)]  # labels[b + 2]: block b's
     forward = [t.inflight(b, labels[b], labels[b + 1], labels[b + 2]) for b in range(t.n)]
     backward = [t.reload_ahead(b, labels[b + 1], labels[b + 2]) for b in range(t.n)]
     return forward, backward, t.turn_copies(labels[t.n], labels[t.n + 1])
@@ -524,7 +514,7 @@ def uniform_reloads_below(profile: Profile, choice: str) -> list[int]:
     `uniform_copies`) holds reloaded once the reload of that block begins during its backward
     (`_Terms.below_reload`): what a uniform run's `StepReading.below_peak` holds of it."""
     t = _Terms(profile, 1)
-    labels: list[str | None] = [None, *_labels([choice] * t.n)]  # labels[b]: block b-1's
+    labels: list[str | None] = [None, *t.labels([choice] * t.n)]  # labels[b]: block b-1's
     return [t.below_reload(b, labels[b]) for b in range(t.n)]
 
 
