@@ -23,6 +23,7 @@ from actcfg.runtime.deepspeed_applier import apply_deepspeed
 from actcfg.runtime.handle import LIVE, AppliedPolicy
 from actcfg.runtime.reports import PlanReport
 from actcfg.runtime.torch_applier import apply_torch
+from actcfg.runtime.workspaces import model_device, prime_matmul_workspaces
 from actcfg.runtime.wrap import APPLIED, WRAPPED, Marker, strip_overrides
 
 __all__ = ["APPLIERS", "Applier", "apply_policy", "refuse_if_applied", "runtime_backend",
@@ -53,6 +54,8 @@ def apply_policy(model: nn.Module, policy: Policy, backend: Backend, *, mpu: Any
             apply_compile(model, policy, handle)
         model.__dict__[APPLIED] = Marker(handle.summary())
         handle.undo.push(lambda: model.__dict__.pop(APPLIED, None))
+        # So that the first step's peak is its later steps' (the planner's prediction).
+        prime_matmul_workspaces(model_device(model))
     except BaseException:
         handle.remove()
         raise

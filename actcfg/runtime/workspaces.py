@@ -1,0 +1,47 @@
+"""cuBLAS's workspaces, allocated when a policy is applied instead of inside its first step.
+
+torch allocates a cuBLAS workspace through the caching allocator the first time a thread runs
+a matmul on a stream: one for the thread that runs the forward, one for autograd's device
+thread, which runs the backward and a checkpoint's recompute (32 MiB each on an H200, torch
+2.11), kept to the process's end. In a process whose first training step is the policy's
+first step (a trainer given `plan_file=`, a script that applies a written plan), both were
+allocated inside that step, above its start, where no later step has them: on an H200 the
+first step of a plan on the blocks stack peaked 64 MiB above its later steps (1.888 against
+1.824 GiB, the allocator's history showing the two workspaces as the difference), and a
+Lightning ZeRO-3 run given the plan file went 3% over its budget there (832.8 MiB in 808.5).
+The planner's profile never sees them (its warm-up steps allocate them), so its predictions
+are the later steps'. Allocating them here, on the stream the step will run on, puts them
+below the first step's start, as they are below every later one's; they would be allocated at
+that step anyway.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["prime_matmul_workspaces", "model_device"]
+
+
+def model_device(model: nn.Module) -> torch.device | None:
+    """The device of the model's first parameter or buffer (None for a model with neither)."""
+    for tensor in model.parameters():
+        return tensor.device
+    for tensor in model.buffers():
+        return tensor.device
+    return None
+
+
+def prime_matmul_workspaces(device: torch.device | None) -> None:
+    """Run a tiny matmul forward and backward on `device`'s current stream, so that the forward
+    thread's and autograd's cuBLAS workspaces exist before the first step. A no-op off CUDA and
+    once they exist (torch keeps them per thread and stream)."""
+    if device is None or device.type != "cuda":
+        return
+    with torch.cuda.device(device), torch.enable_grad():
+        # Zeros: no RNG is drawn, so the run's random state is unchanged. `linear` with a bias
+        # takes the cuBLASLt path (addmm) and `@` the cuBLAS one (mm), in both directions.
+        x = torch.zeros(8, 8, device=device, requires_grad=True)
+        w = torch.zeros(8, 8, device=device, requires_grad=True)
+        b = torch.zeros(8, device=device, requires_grad=True)
+        (nn.functional.linear(x, w, b).sum() + (x @ w).sum()).backward()
