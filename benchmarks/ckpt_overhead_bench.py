@@ -14,7 +14,9 @@ variants take turns, in an order rotated every round, so drift falls on all of t
 Variants: plain; `hf` (`activation_checkpointing_enable()`, what `Trainer(gradient_checkpointing=
 True)` calls: use_reentrant False); `actcfg full` (every GPT2Block); `hf every 2nd`
 (`every_n_layers=2`: blocks 0, 2, ...) and `actcfg every 2nd` (a rule taking the same blocks,
-`full`; the others keep their activations): the shape of a plan at the halfway budget.
+`full`; the others keep their activations): the shape of a plan at the halfway budget. With
+`--plan-file` (repeatable), the plans trainer_bench's HF rows wrote take turns too, each timed
+against `hf`: issue 18's 10% measured without trainer_bench's fixed row order.
 
 Per variant: forward+backward ms (synchronized; median over rounds x steps, and each round's
 median to show drift); `issue ms`, the CPU time until backward returns, before synchronizing
@@ -84,8 +86,10 @@ def _kernel_ms(fn: Any, cuda: bool) -> float | None:
                and not getattr(e, "is_user_annotation", False)) / 1000
 
 
-def variants(tiny: bool, device: str) -> dict[str, tuple[Any, Any]]:
-    """name -> (model, actcfg handle or None), each a copy of one randomly initialised GPT-2."""
+def variants(tiny: bool, device: str, plan_files: list[Path] = ()) -> dict[str, tuple[Any, Any]]:
+    """name -> (model, actcfg handle or None), each a copy of one randomly initialised GPT-2;
+    with `plan_files`, also those plans (rules files, as trainer_bench's HF plans write them), each
+    named by its folder."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import actcfg
@@ -110,6 +114,7 @@ def variants(tiny: bool, device: str) -> dict[str, tuple[Any, Any]]:
         return m, actcfg.apply(m, policy)
 
     even = [f"transformer.h.{i}" for i in range(0, shape["n_layer"], 2)]
+    planned = {f"actcfg plan ({path.parent.name})": ours(str(path)) for path in plan_files}
     return {
         "plain": (model(), None),
         "hf": (hf(1), None),
@@ -117,6 +122,7 @@ def variants(tiny: bool, device: str) -> dict[str, tuple[Any, Any]]:
         "hf every 2nd": (hf(2), None),
         "actcfg every 2nd": ours({"version": 1, "checkpoint": {"mode": "rules", "rules": [
             {"modules": even, "mode": "full"}]}}),
+        **planned,
     }
 
 
@@ -126,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
     ap.add_argument("--tiny", action="store_true", help="a small GPT-2 on the CPU: checks the code paths")
+    ap.add_argument("--plan-file", type=Path, action="append", default=[],
+                    help="a plan to take turns with the others, timed against hf (repeatable; "
+                         "trainer_bench's HF plans: OUT/hf/actcfg-plan--first-batch/actcfg-plan.yaml "
+                         "and OUT/hf/actcfg-plan--MLP-as-a-part--first-batch/actcfg-plan.yaml): "
+                         "issue 18's 10%% target measured with the rows interleaved")
     args = ap.parse_args(argv)
     cuda = not args.tiny
     if cuda and not torch.cuda.is_available():
@@ -134,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if cuda else "cpu"
     batch, seq, vocab = (2, 32, 128) if args.tiny else (8, 1024, 50257)
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
-    models = variants(args.tiny, device)
+    models = variants(args.tiny, device, args.plan_file)
 
     def sync() -> None:
         if cuda:
@@ -218,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     same = {n: base[n]["aten_ops"] for n in ("hf", "actcfg full")}
     lines += ["", f"aten ops per step, hf and actcfg full: {same['hf']} and {same['actcfg full']}"
               f" ({'equal' if len(set(same.values())) == 1 else 'DIFFERENT'})"]
+    for path in args.plan_file:
+        row = base[f"actcfg plan ({path.parent.name})"]
+        lines += ["", f"the plan from {path} against hf: {1 - row['fwd_bwd_ms'] / base['hf']['fwd_bwd_ms']:.1%} "
+                  f"faster (issue 18: at least 10%; peak {row['peak_bytes'] / 2**30:.2f} GiB)"]
     text = "\n".join(lines) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "ckpt_overhead_bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
