@@ -372,10 +372,12 @@ def bench(w: Workload, args: argparse.Namespace, bw: tuple[float, float]) -> tup
         # curve the uniform policies and the peers are drawn against.
         budgets += [(f"{i}/{args.frontier} of the way from the offload floor to plain (the frontier)",
                      int(floor + i * (plain.peak - floor) / args.frontier)) for i in range(args.frontier + 1)]
+    plan_rules: dict[str, Any] = {}
     for label, budget in budgets:
         row, rules = plan_row(w, prof, budget, label, source,
                               kind="frontier" if "(the frontier)" in label else "plan")
         if rules is not None:
+            plan_rules[row.variant] = rules
             row = run(w, model, inputs, row, lambda rules=rules: apply(model, rules), args.steps, ref, bw)
         rows.append(row)
         print(f"{w.name}: {row.variant:48s} {row.step_ms:8.1f} ms  peak {row.peak / GiB:6.3f} GiB "
@@ -402,6 +404,7 @@ def bench(w: Workload, args: argparse.Namespace, bw: tuple[float, float]) -> tup
                 continue
             for scope in ("blocks", "model"):
                 rows.append(compiled_plan_row(w, model, inputs, point, scope, args.steps, ref, bw))
+    interleaved = interleave(model, inputs, w, rows, plan_rules, args) if w.name != "seed" and args.rounds else {}
     predicted_uniform = {c: predict(prof, (c,) * len(prof.blocks))[0] for c in prof.choices()}
     # each uniform choice's predicted peak against its profiling run's (split included)
     peak_error = {c: predict(prof, (c,) * len(prof.blocks))[1] / prof.measured[c]["peak"] - 1
@@ -413,10 +416,57 @@ def bench(w: Workload, args: argparse.Namespace, bw: tuple[float, float]) -> tup
             "block_input": w.layer_input,
             "profiled_choices": list(prof.choices()), "profile_notes": list(prof.notes),
             "profile": prof.to_json(), "copy_windows": prof.copy_windows(),
-            "predicted_uniform_ms": predicted_uniform, "uniform_peak_error": peak_error}
+            "predicted_uniform_ms": predicted_uniform, "uniform_peak_error": peak_error,
+            "interleaved": interleaved}
     del model
     torch.cuda.empty_cache()
     return rows, meta
+
+
+INTERLEAVED = ("checkpoint every 1", "checkpoint + cpu_checkpointing (offload inputs)",
+               "plan at the checkpoint-every-block peak")
+"""The rows whose step-time ratios are targets at 1.00-1.01x (checkpoint + cpu_checkpointing
+against checkpointing alone; the plan at the checkpoint peak against checkpointing every
+block): measured again taking turns, so that drift over the run falls on each alike."""
+
+
+def interleave(model: nn.Module, inputs: Any, w: Workload, rows: list[Row], plan_rules: dict[str, Any],
+               args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """`INTERLEAVED`'s rows again, in an order rotated every round (`args.rounds` rounds of
+    `args.steps` steps, each round's own two warm-ups): per row, each round's median step time
+    and their median. On the H200 the Llama's checkpoint + cpu_checkpointing measured 1.028x
+    and 1.110x checkpointing alone in two runs one after the other, and 0.997x interleaved
+    (6 rounds: 0.98-1.01x per round): the 1-2% targets are below the drift of a fixed order."""
+    setups: dict[str, Callable[[], Any]] = {}
+    for name, pol in uniform_variants(w):
+        if name in INTERLEAVED:
+            setups[name] = lambda pol=pol: apply(model, {"version": 1, **pol})
+    for name, rules in plan_rules.items():
+        if name in INTERLEAVED:
+            setups[name] = lambda rules=rules: apply(model, rules)
+    ok = {r.variant for r in rows if r.workload == w.name and not r.skipped and r.proof == "ok"}
+    names = [n for n in INTERLEAVED if n in setups and n in ok]
+    rounds: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            handle = setups[name]()
+            try:
+                rounds[name].append(measure(model, inputs, args.steps)[0])
+            finally:
+                handle.remove()
+    out = {n: {"median_ms": statistics.median(t), "round_medians_ms": t} for n, t in rounds.items() if t}
+    print(f"{w.name}: interleaved ({args.rounds} rounds x {args.steps} steps): "
+          + ", ".join(f"{n} {v['median_ms']:.1f} ms" for n, v in out.items()), flush=True)
+    return out
+
+
+def step_ratio(info: dict, rows_ms: tuple[float, float], names: tuple[str, str]) -> tuple[float, str]:
+    """The step-time ratio of two rows: from their interleaved rounds where measured (see
+    `interleave`), else from the rows measured one after another."""
+    both = [info.get("interleaved", {}).get(n) for n in names]
+    if all(both):
+        return both[0]["median_ms"] / both[1]["median_ms"], f", interleaved {len(both[0]['round_medians_ms'])} rounds"
+    return rows_ms[0] / rows_ms[1], ""
 
 
 def compiled_plan_row(w: Workload, model: nn.Module, inputs: Any, point: Row, scope: str, steps: int,
@@ -550,12 +600,12 @@ def targets(rows: list[Row], workloads: list[str], meta: dict | None = None) -> 
         if ck is not None and ck_cpu is not None and info.get("block_input"):
             # issue 17: offloading the checkpointed inputs keeps at most two of the n on the device
             n, one = len(info["blocks"]), info["block_input"]
+            ratio, how = step_ratio(info, (ck_cpu.step_ms, ck.step_ms), (ck_cpu.variant, ck.variant))
             add(w, f"checkpoint + cpu_checkpointing: peak <= checkpoint-only - (n - 2) block inputs "
                    f"({n} blocks of {one / 2**20:.0f} MiB), step <= 1.01x checkpoint-only",
                 f"{ck_cpu.peak / GiB:.3f} vs {(ck.peak - (n - 2) * one) / GiB:.3f} GiB, "
-                f"{ck_cpu.step_ms / ck.step_ms:.3f}x",
-                ck_cpu.peak <= ck.peak - (n - 2) * one and ck_cpu.step_ms <= 1.01 * ck.step_ms
-                and ck_cpu.proof == "ok")
+                f"{ratio:.3f}x{how}",
+                ck_cpu.peak <= ck.peak - (n - 2) * one and ratio <= 1.01 and ck_cpu.proof == "ok")
         soc = next((r for r in rows if r.workload == w and r.kind == "peer" and r.variant.startswith("torch save_on_cpu")
                     and not r.skipped and r.proof == "ok"), None)
         if everything is not None and soc is not None and info.get("block_saved"):
@@ -578,8 +628,9 @@ def targets(rows: list[Row], workloads: list[str], meta: dict | None = None) -> 
                 add(w, "at the checkpoint-every-block peak: plan / checkpoint every block <= 1.00",
                     at_ck.skipped, False)
             else:
+                ratio, how = step_ratio(info, (at_ck.step_ms, ck.step_ms), (at_ck.variant, ck.variant))
                 add(w, "at the checkpoint-every-block peak: plan / checkpoint every block <= 1.00",
-                    f"{at_ck.step_ms / ck.step_ms:.3f}", at_ck.step_ms <= ck.step_ms and at_ck.proof == "ok")
+                    f"{ratio:.3f}{how}", ratio <= 1.0 and at_ck.proof == "ok")
     return lines
 
 
@@ -617,6 +668,9 @@ def render(meta: dict, rows: list[Row], workloads: list[str]) -> str:
         out.append(f"{w}: profiled in {m['profile_s']:.1f} s ({len(ran)} uniform runs: {', '.join(ran)}; "
                    "each a warm-up, one probed and one unprobed step; and the counting forwards"
                    + (f"; left out: {', '.join(left)}" if left else "") + f"); whole workload {m['total_s']:.0f} s.")
+        for name, v in (m.get("interleaved") or {}).items():
+            out.append(f"{w}, interleaved: {name} {v['median_ms']:.1f} ms (round medians "
+                       + ", ".join(f"{x:.1f}" for x in v["round_medians_ms"]) + ")")
     return "\n".join(out) + "\n"
 
 
@@ -700,6 +754,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=6,
+                    help="rounds of the interleaved rows behind the 1.00-1.01x targets (0: none)")
     ap.add_argument("--workloads", default="blocks,blocks-parts,llama,seed")
     ap.add_argument("--compile", action="store_true",
                     help="also torch.compile with activation_memory_budget 0.5 and 0.1 (slow)")

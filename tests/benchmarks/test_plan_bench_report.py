@@ -134,3 +134,20 @@ def test_the_targets_say_no_where_a_budget_has_no_plan_or_a_peer_holds_less(benc
     assert "+1.20 blocks' saved activations | NO |" in lines
     assert ("at torchtune's offload peak: a plan that fits, no slower than torchtune | "
             "no plan fits: smallest predicted peak 1.688 GiB | NO |") in lines
+
+
+def test_the_one_percent_target_reads_the_interleaved_rounds_where_they_ran(bench):
+    """Rows measured one after another put checkpoint + cpu_checkpointing at 1.05x here; their
+    interleaved rounds at 0.998x: the target reads the rounds, and says so."""
+    rows, meta = _rows(bench, everything_peak=1.4, tt_plan_ms=150.0)
+    rows[2].step_ms = 99.0 * 1.05
+    target = ("checkpoint + cpu_checkpointing: peak <= checkpoint-only - (n - 2) block inputs (8 blocks of 64 MiB), "
+              "step <= 1.01x checkpoint-only | ")
+    assert target + "1.625 vs 1.625 GiB, 1.050x | NO |" in "\n".join(bench.targets(rows, ["blocks"], meta))
+    meta["workloads"]["blocks"]["interleaved"] = {
+        "checkpoint every 1": {"median_ms": 100.0, "round_medians_ms": [100.0, 101.0, 99.0]},
+        "checkpoint + cpu_checkpointing (offload inputs)": {"median_ms": 99.8,
+                                                             "round_medians_ms": [99.8, 100.5, 99.1]},
+    }
+    assert (target + "1.625 vs 1.625 GiB, 0.998x, interleaved 3 rounds | yes |"
+            in "\n".join(bench.targets(rows, ["blocks"], meta)))
