@@ -965,7 +965,11 @@ class OffloadEngine:
         """Drop the device copies of storages whose host copy is done; then wait (on the compute
         stream, not the host) for the oldest copies until at most `keep` copies are in flight,
         or until `room` more bytes fit in the forward window."""
-        compute = self._copies.compute()
+        # The compute stream is looked up only for a wait: `torch.cuda.current_stream` builds a
+        # Python Stream object each call, and this runs at every save. On the H200 the Llama
+        # stack's forward is launch-bound (the GPU's queue empty through it, in a profiler
+        # trace), so the engine's host time there is step time.
+        compute = None
         while self._inflight:
             copy = self._inflight[0]
             if not copy.done.query():
@@ -974,6 +978,7 @@ class OffloadEngine:
                 if not over:
                     break
                 # Later compute-stream work may reuse this memory only after the copy has read it.
+                compute = compute or self._copies.compute()
                 compute.wait_event(copy.done)
                 self._stats.copy_waits += 1
             self._inflight.popleft()
