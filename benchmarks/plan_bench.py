@@ -321,6 +321,12 @@ def bench(w: Workload, args: argparse.Namespace, bw: tuple[float, float]) -> tup
     ref = {"grads": grads_of(model), "peak": plain.peak}
     rows.append(plain)
     print(f"{w.name}: plain {plain.step_ms:.1f} ms, peak {plain.peak / GiB:.2f} GiB", flush=True)
+    if args.compile_only:  # the compiled rows alone: each plans its own profile
+        if w.name != "seed":
+            rows += compile_rows(w, model, inputs, ref, args, bw)
+        del model
+        torch.cuda.empty_cache()
+        return rows, {"total_s": time.perf_counter() - t0, "compile_only": True}
     t1 = time.perf_counter()
     prof = profile(model, w.candidates, inputs, apply=apply, submodules=w.submodules)
     profile_s = time.perf_counter() - t1
@@ -384,26 +390,7 @@ def bench(w: Workload, args: argparse.Namespace, bw: tuple[float, float]) -> tup
               f"(budget {budget / GiB:.3f}; predicted {row.predicted_step_ms or 0:.1f} ms, "
               f"{(row.predicted_peak or 0) / GiB:.3f} GiB)  {row.skipped or row.proof}", flush=True)
     if args.compile and w.name != "seed":
-        import torch._functorch.config as functorch_config
-
-        for fraction in (0.5, 0.1):
-            def compiled(fraction: float = fraction) -> nn.Module:
-                functorch_config.activation_memory_budget = fraction
-                torch._dynamo.reset()
-                return torch.compile(model)
-            try:
-                rows.append(run(w, model, inputs, Row(w.name, "compile",
-                                                      f"torch.compile activation_memory_budget {fraction}"),
-                                compiled, args.steps, ref, bw))
-            finally:
-                functorch_config.activation_memory_budget = 1.0
-                torch._dynamo.reset()
-            # actcfg's compile-aware plans at that point's peak: profiled compiled, applied compiled
-            point = rows[-1]
-            if point.skipped or point.proof != "ok":
-                continue
-            for scope in ("blocks", "model"):
-                rows.append(compiled_plan_row(w, model, inputs, point, scope, args.steps, ref, bw))
+        rows += compile_rows(w, model, inputs, ref, args, bw)
     interleaved = interleave(model, inputs, w, rows, plan_rules, args) if w.name != "seed" and args.rounds else {}
     predicted_uniform = {c: predict(prof, (c,) * len(prof.blocks))[0] for c in prof.choices()}
     # each uniform choice's predicted peak against its profiling run's (split included)
@@ -421,6 +408,34 @@ def bench(w: Workload, args: argparse.Namespace, bw: tuple[float, float]) -> tup
     del model
     torch.cuda.empty_cache()
     return rows, meta
+
+
+def compile_rows(w: Workload, model: nn.Module, inputs: Any, ref: dict, args: argparse.Namespace,
+                 bw: tuple[float, float]) -> list[Row]:
+    """torch.compile at `activation_memory_budget` 0.5 and 0.1, and at each point's peak
+    actcfg's compile-aware plans (`scope: blocks` and `scope: model`), profiled compiled."""
+    import torch._functorch.config as functorch_config
+
+    rows: list[Row] = []
+    for fraction in (0.5, 0.1):
+        def compiled(fraction: float = fraction) -> nn.Module:
+            functorch_config.activation_memory_budget = fraction
+            torch._dynamo.reset()
+            return torch.compile(model)
+        try:
+            rows.append(run(w, model, inputs, Row(w.name, "compile",
+                                                  f"torch.compile activation_memory_budget {fraction}"),
+                            compiled, args.steps, ref, bw))
+        finally:
+            functorch_config.activation_memory_budget = 1.0
+            torch._dynamo.reset()
+        # actcfg's compile-aware plans at that point's peak: profiled compiled, applied compiled
+        point = rows[-1]
+        if point.skipped or point.proof != "ok":
+            continue
+        for scope in ("blocks", "model"):
+            rows.append(compiled_plan_row(w, model, inputs, point, scope, args.steps, ref, bw))
+    return rows
 
 
 INTERLEAVED = ("checkpoint every 1", "checkpoint + cpu_checkpointing (offload inputs)",
@@ -663,6 +678,9 @@ def render(meta: dict, rows: list[Row], workloads: list[str]) -> str:
     out += ["", "Targets:", "", *targets(rows, workloads, meta), ""]
     for w in workloads:
         m = meta["workloads"][w]
+        if "profile_s" not in m:  # --compile-only: no eager profile
+            out.append(f"{w}: compiled rows only; whole workload {m['total_s']:.0f} s.")
+            continue
         ran = m.get("profiled_choices") or []
         left = [n.split(":")[0] for n in m.get("profile_notes", []) if "not run" in n]
         out.append(f"{w}: profiled in {m['profile_s']:.1f} s ({len(ran)} uniform runs: {', '.join(ran)}; "
@@ -754,6 +772,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--compile-only", action="store_true",
+                    help="plain and the --compile rows alone (no eager profile, uniform policies, "
+                         "peers or eager plans)")
     ap.add_argument("--rounds", type=int, default=6,
                     help="rounds of the interleaved rows behind the 1.00-1.01x targets (0: none)")
     ap.add_argument("--workloads", default="blocks,blocks-parts,llama,seed")
@@ -771,11 +792,13 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("plan_bench needs a CUDA GPU (--render-from re-renders a measured run anywhere)", file=sys.stderr)
         return 2
+    args.compile = args.compile or args.compile_only
     args.out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = True
     from offload_bench import init_deepspeed
 
-    ds_version = init_deepspeed() if any(n.startswith("blocks") for n in args.workloads.split(",")) else None
+    ds_version = init_deepspeed() if any(n.startswith("blocks") for n in args.workloads.split(",")) \
+        and not args.compile_only else None
     args.have_ds = ds_version is not None
     bw = copy_bandwidth()
     print(f"copy bandwidth GB/s: {bw[0]:.1f} out, {bw[1]:.1f} back", flush=True)
