@@ -229,8 +229,6 @@ class _Group:
         self.gap = gap  # between two groups (end_group): stays, and does not count for prefetch
         self.rank = rank  # how many groups marked for offload opened before it in this step
         self.chunks: list[weakref.ref[_Chunk]] = []
-        self.offloaded = False  # copies to the host were launched and not kept at the turn
-        self.kept = False  # stayed on the device at the forward/backward turn
         self.kept_bytes = 0  # bytes saved in it that stay on the device
         # Its storages leave one by one as they are saved (from the second step on, where the
         # engine knows which groups stay for backward), not all at once when it closes.
@@ -248,11 +246,13 @@ class _Group:
         """At the turn: (bytes moved to the host, bytes that stayed on the device, of those the
         bytes marked for offload that stayed for backward, the bytes of its `RELOAD_STORAGES`
         newest storages moved: what backward reloads of it first, newest first)."""
+        # Storage by storage: in a first step a group can leave in part, its storages still in
+        # flight at the turn staying for backward (a storage that left has no device copy).
         chunks = self.live()
-        live = sum(c.nbytes for c in chunks)
-        if self.offloaded:
-            return live, self.kept_bytes, 0, sum(c.nbytes for c in chunks[-RELOAD_STORAGES:])
-        return 0, self.kept_bytes + live, live if (self.kept and self.offload) else 0, 0
+        moved = [c for c in chunks if c.gpu is None]
+        stayed = sum(c.nbytes for c in chunks if c.gpu is not None)
+        return (sum(c.nbytes for c in moved), self.kept_bytes + stayed, stayed if self.offload else 0,
+                sum(c.nbytes for c in moved[-RELOAD_STORAGES:]))
 
 
 class _Chunk:
@@ -727,8 +727,7 @@ class OffloadEngine:
             return
         expected = self._offload_groups_last_step
         if expected is not None and group.rank >= expected - self.keep_last:
-            group.kept = True  # among the last keep_last: it stays for backward, which needs it first
-            return
+            return  # among the last keep_last: it stays for backward, which needs it first
         chunks = [c for c in group.live() if c.gpu is not None and c.host is None]
         if expected is None and chunks:
             # The first step (which groups stay for backward is not known yet, so the group
@@ -791,13 +790,9 @@ class OffloadEngine:
             # looked: on an H200 the memory allocated after a step then differed from step to
             # step by 1.25 GB on the 200-step test.)
             compute.wait_event(copy.done)
-            copy.group.offloaded, copy.group.kept = False, True
             self._inflight_bytes -= copy.nbytes
         self._inflight = deque(c for c in self._inflight if c not in stay)
         self._retire(keep=0)
-        open_group = self._open
-        if open_group is not None:
-            open_group.kept = True
         groups = [g() for g in self._step.groups] if self._step is not None else []
         self._stats.end_step(None if g is None else g.summary() for g in groups)
         self._offload_groups_last_step = self._offload_groups
@@ -955,7 +950,6 @@ class OffloadEngine:
             done = copies.d2h.record_event()
         for chunk in chunks:
             chunk.last_reader = done
-        group.offloaded = True
         copy = _Copy(group, chunks, done)
         self._inflight.append(copy)
         self._inflight_bytes += copy.nbytes

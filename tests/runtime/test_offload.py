@@ -245,6 +245,36 @@ def test_loopback_max_inflight_bounds_the_copies_in_flight(monkeypatch, max_infl
         assert stats.copy_waits == 1
 
 
+def test_loopback_first_step_reports_a_group_that_left_in_part(monkeypatch):
+    """In a first step a group leaves storage by storage: with late copies and a window of two
+    storages, group 3's first storage is waited for (and released) while its other two are
+    still in flight at the turn, where keep_last 2 keeps them for backward. The group reports
+    one storage moved and two that stayed (it reported all three as stayed, nothing moved)."""
+    from actcfg.runtime import offload
+
+    monkeypatch.setattr(offload._HostStream, "record_event", lambda self: _Pending())
+    with offload.host_loopback():
+        engine = offload.OffloadEngine(pin=False, min_offload_bytes=0, max_inflight=1, keep_last=2,
+                                       device="cpu")
+        x = torch.randn(256, requires_grad=True)
+        with engine.step():
+            h = x
+            for _ in range(4):  # three storages a group
+                engine.mark_group()
+                a = (h * 1.0).exp()
+                b = (a * 1.0).exp()
+                h = (b * 1.0).exp()
+            out = h.sum()
+        out.backward()
+    one = 256 * 4
+    stats = engine.stats
+    assert stats.group_offloaded_bytes == [0, 3 * one, 3 * one, one, 0]
+    assert stats.group_kept_bytes == [0, 0, 0, 2 * one, 3 * one]
+    assert stats.group_first_reload_bytes == [0, 2 * one, 2 * one, one, 0]
+    assert stats.kept_bytes == 5 * one  # marked for offload, on the device at the turn
+    assert stats.offloaded_bytes == 9 * one  # copies made: the two that stayed among them
+
+
 # --- helpers -----------------------------------------------------------------------------
 
 
