@@ -35,9 +35,9 @@ def model_device(model: nn.Module) -> torch.device | None:
 def prime_matmul_workspaces(device: torch.device | None) -> None:
     """Run a tiny matmul forward and backward on `device`'s current stream, so that the forward
     thread's and autograd's cuBLAS workspaces exist before the first step. A no-op off CUDA and
-    once they exist (torch keeps them per thread and stream)."""
-    if device is None or device.type != "cuda":
-        return
+    once they exist (torch keeps them per thread and stream), and under `torch.inference_mode`."""
+    if device is None or device.type != "cuda" or torch.is_inference_mode_enabled():
+        return  # (under inference_mode no backward can run: nothing to allocate for)
     with torch.cuda.device(device), torch.enable_grad():
         # Zeros: no RNG is drawn, so the run's random state is unchanged. `linear` with a bias
         # takes the cuBLASLt path (addmm) and `@` the cuBLAS one (mm), in both directions.
