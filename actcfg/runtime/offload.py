@@ -438,8 +438,16 @@ class GradProgress:
         self._module = weakref.ref(module)
         # Plain parameters only: a tensor subclass (FSDP2's DTensor) gets its gradient from its
         # owner's reduction, not from autograd's accumulation, and would never signal.
-        params = [p for p in module.parameters() if type(p) is nn.Parameter and p.requires_grad]
+        named = [(name, p) for name, p in module.named_parameters()
+                 if type(p) is nn.Parameter and p.requires_grad]
+        params = [p for _, p in named]
         self._params = [weakref.ref(p) for p in params]
+        # Where each parameter sits (submodule names, then its own), to see at each recompute
+        # that the module still holds it without walking `module.parameters()` (~20 us for a
+        # Llama layer, once per layer per step in a launch-bound forward). None where a class in
+        # the module overrides how parameters are listed: then every recompute walks.
+        self._paths = ([(tuple(name.split(".")[:-1]), name.rsplit(".", 1)[-1]) for name, _ in named]
+                       if _lists_parameters_plainly(module) else None)
         self._hooks = [p.register_post_accumulate_grad_hook(self._arrived) for p in params]
         self.waiting: _Group | None = None  # the group whose reload below waits, in this backward
         self.arrived = 0  # parameter bytes whose gradient came since it began to wait
@@ -467,13 +475,30 @@ class GradProgress:
         module = self._module()
         if self.missed or module is None:
             return False
-        current = {id(p) for p in module.parameters()}
-        total = sum(p.numel() * p.element_size() for ref in self._params
-                    if (p := ref()) is not None and id(p) in current and p.requires_grad)
+        total = sum(p.numel() * p.element_size() for p in self._held_by(module) if p.requires_grad)
         if total == 0:
             return False
         self.total, self.need, self.arrived, self.waiting = total, (total + 1) // 2, 0, group
         return True
+
+    def _held_by(self, module: nn.Module) -> list[nn.Parameter]:
+        """The hooked parameters `module.parameters()` still lists: each found where it was
+        when hooked (the same object under the same names), else found by walking them all (a
+        parameter replaced, deleted, or moved to another submodule)."""
+        params = [ref() for ref in self._params]
+        if self._paths is not None:
+            for p, (owners, name) in zip(params, self._paths):
+                owner: nn.Module | None = module
+                for child in owners:
+                    owner = owner._modules.get(child)
+                    if owner is None:
+                        break
+                if owner is None or p is None or owner._parameters.get(name) is not p:
+                    break
+            else:
+                return params  # type: ignore[return-value]
+        current = {id(p) for p in module.parameters()}
+        return [p for p in params if p is not None and id(p) in current]
 
     @torch.compiler.disable
     def _arrived(self, param: torch.Tensor) -> None:
@@ -495,6 +520,16 @@ class GradProgress:
             hook.remove()
         self._hooks = []
         self.waiting = None
+
+
+def _lists_parameters_plainly(module: nn.Module) -> bool:
+    """Whether `module.parameters()` is nn.Module's own walk of `_modules` and `_parameters`
+    (no class in the tree overrides how it lists them), so a parameter held at its place is
+    one it lists."""
+    root = type(module)
+    return (root.parameters is nn.Module.parameters and root.named_parameters is nn.Module.named_parameters
+            and root._named_members is nn.Module._named_members
+            and all(type(m).named_modules is nn.Module.named_modules for m in module.modules()))
 
 
 def stays(tensor: torch.Tensor, device: torch.device, buffers: set[int],

@@ -166,6 +166,55 @@ def test_a_copy_of_the_model_waits_for_its_own_gradients_and_remove_takes_every_
     assert not any(p._post_accumulate_grad_hooks for m in (model, twin) for p in m.parameters())
 
 
+def test_a_recompute_finds_its_blocks_parameters_without_walking_them(monkeypatch):
+    """Each recompute asks which of its block's hooked parameters the block still holds; in a
+    launch-bound forward a walk of `module.parameters()` per block per step is step time, so
+    after the first step the engine finds them where they were hooked and walks none."""
+    model, x = _stack()
+    walked = []
+    parameters = nn.Module.parameters
+
+    def counted(module, *args, **kwargs):
+        walked.append(type(module).__name__)
+        return parameters(module, *args, **kwargs)
+
+    with host_loopback(), apply(model, FULL_CPU) as handle:
+        model(x).square().mean().backward()
+        monkeypatch.setattr(nn.Module, "parameters", counted)
+        for _ in range(2):
+            model(x).square().mean().backward()
+        st = handle.engine.stats
+    assert (st.deferred_reloads, st.missed_deferrals, st.late_reloads) == (N, 0, 0)
+    assert "Block" not in walked
+
+
+def test_parameters_a_block_replaced_or_moved_after_apply_are_seen_at_its_recompute():
+    """The engine waits for the gradients of the parameters the block holds at its recompute:
+    moved into a wrapper, they are still the block's, and it waits for them as before; replaced
+    by new ones (which it never hooked), no signal can come, and the reload below starts with
+    the recompute, as for frozen parameters."""
+    model, x = _stack()
+    one = x.numel() * x.element_size()
+    counts = []
+    with host_loopback(), apply(model, FULL_CPU) as handle:
+        model(x).square().mean().backward()
+        for block in model.blocks:
+            block.fc1 = nn.Sequential(block.fc1)
+        model(x).square().mean().backward()
+        st = handle.engine.stats
+        counts.append((st.deferred_reloads, st.missed_deferrals, st.late_reloads))
+        for block in model.blocks:
+            for module in block.modules():
+                for name, p in list(module.named_parameters(recurse=False)):
+                    setattr(module, name, nn.Parameter(p.detach().clone()))
+        model(x).square().mean().backward()
+        st = handle.engine.stats
+        counts.append((st.deferred_reloads, st.missed_deferrals, st.late_reloads))
+        recompute_held = st.most_recompute_device_bytes
+    assert counts == [(N, 0, 0), (0, 0, 0)]
+    assert recompute_held == 2 * one
+
+
 def test_a_block_whose_gradients_come_only_at_its_end_stops_waiting_for_them():
     """A checkpointed Linear + GELU: its weight is nearly all its parameter bytes, so the signal
     comes as its backward ends, with nothing left to hide the reload behind (on a GPU it would
