@@ -86,6 +86,12 @@ def _kernel_ms(fn: Any, cuda: bool) -> float | None:
                and not getattr(e, "is_user_annotation", False)) / 1000
 
 
+def plan_name(path: Path, plan_files: list[Path]) -> str:
+    """A plan's row: its folder's name, with its place among --plan-file where two share it."""
+    shared = sum(p.parent.name == path.parent.name for p in plan_files) > 1
+    return f"actcfg plan ({path.parent.name}" + (f" #{plan_files.index(path) + 1}" if shared else "") + ")"
+
+
 def variants(tiny: bool, device: str, plan_files: list[Path] = ()) -> dict[str, tuple[Any, Any]]:
     """name -> (model, actcfg handle or None), each a copy of one randomly initialised GPT-2;
     with `plan_files`, also those plans (rules files, as trainer_bench's HF plans write them), each
@@ -114,7 +120,7 @@ def variants(tiny: bool, device: str, plan_files: list[Path] = ()) -> dict[str, 
         return m, actcfg.apply(m, policy)
 
     even = [f"transformer.h.{i}" for i in range(0, shape["n_layer"], 2)]
-    planned = {f"actcfg plan ({path.parent.name})": ours(str(path)) for path in plan_files}
+    planned = {plan_name(path, plan_files): ours(str(path)) for path in plan_files}
     return {
         "plain": (model(), None),
         "hf": (hf(1), None),
@@ -230,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", f"aten ops per step, hf and actcfg full: {same['hf']} and {same['actcfg full']}"
               f" ({'equal' if len(set(same.values())) == 1 else 'DIFFERENT'})"]
     for path in args.plan_file:
-        row = base[f"actcfg plan ({path.parent.name})"]
+        row = base[plan_name(path, args.plan_file)]
         lines += ["", f"the plan from {path} against hf: {1 - row['fwd_bwd_ms'] / base['hf']['fwd_bwd_ms']:.1%} "
                   f"faster (issue 18: at least 10%; peak {row['peak_bytes'] / 2**30:.2f} GiB)"]
     text = "\n".join(lines) + "\n"

@@ -462,14 +462,24 @@ def interleave(model: nn.Module, inputs: Any, w: Workload, rows: list[Row], plan
     ok = {r.variant for r in rows if r.workload == w.name and not r.skipped and r.proof == "ok"}
     names = [n for n in INTERLEAVED if n in setups and n in ok]
     rounds: dict[str, list[float]] = {n: [] for n in names}
+    failed: set[str] = set()  # a row whose round raised: left out, its ratio read from the rows
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:
-            handle = setups[name]()
+            if name in failed:
+                continue
+            handle = None
             try:
+                handle = setups[name]()
                 rounds[name].append(measure(model, inputs, args.steps)[0])
+            except Exception as e:  # reported, not fatal: the rows measured stand
+                failed.add(name)
+                print(f"{w.name}: interleaved {name} failed: {type(e).__name__}: {e}"[:300], flush=True)
+                torch.cuda.empty_cache()
             finally:
-                handle.remove()
-    out = {n: {"median_ms": statistics.median(t), "round_medians_ms": t} for n, t in rounds.items() if t}
+                if handle is not None:
+                    handle.remove()
+    out = {n: {"median_ms": statistics.median(t), "round_medians_ms": t} for n, t in rounds.items()
+           if t and n not in failed}
     print(f"{w.name}: interleaved ({args.rounds} rounds x {args.steps} steps): "
           + ", ".join(f"{n} {v['median_ms']:.1f} ms" for n, v in out.items()), flush=True)
     return out

@@ -17,10 +17,14 @@ that step anyway.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 __all__ = ["prime_matmul_workspaces", "model_device"]
+
+log = logging.getLogger("actcfg")
 
 
 def model_device(model: nn.Module) -> torch.device | None:
@@ -34,14 +38,20 @@ def model_device(model: nn.Module) -> torch.device | None:
 
 def prime_matmul_workspaces(device: torch.device | None) -> None:
     """Run a tiny matmul forward and backward on `device`'s current stream, so that the forward
-    thread's and autograd's cuBLAS workspaces exist before the first step. A no-op off CUDA and
-    once they exist (torch keeps them per thread and stream), and under `torch.inference_mode`."""
+    thread's and autograd's cuBLAS workspaces exist before the first step (once they exist it
+    allocates nothing: torch keeps them per thread and stream). Nothing off CUDA or under
+    `torch.inference_mode`. Best effort: where it fails (a GPU already full) the first step
+    allocates them, as without it. It helps where the step runs on this thread and stream, as
+    the trainers' callbacks and a training loop that applies first do."""
     if device is None or device.type != "cuda" or torch.is_inference_mode_enabled():
         return  # (under inference_mode no backward can run: nothing to allocate for)
-    with torch.cuda.device(device), torch.enable_grad():
-        # Zeros: no RNG is drawn, so the run's random state is unchanged. `linear` with a bias
-        # takes the cuBLASLt path (addmm) and `@` the cuBLAS one (mm), in both directions.
-        x = torch.zeros(8, 8, device=device, requires_grad=True)
-        w = torch.zeros(8, 8, device=device, requires_grad=True)
-        b = torch.zeros(8, device=device, requires_grad=True)
-        (nn.functional.linear(x, w, b).sum() + (x @ w).sum()).backward()
+    try:
+        with torch.cuda.device(device), torch.enable_grad():
+            # Zeros: no RNG is drawn, so the run's random state is unchanged. `linear` with a
+            # bias takes the cuBLASLt path (addmm) and `@` the cuBLAS one (mm), both directions.
+            x = torch.zeros(8, 8, device=device, requires_grad=True)
+            w = torch.zeros(8, 8, device=device, requires_grad=True)
+            b = torch.zeros(8, device=device, requires_grad=True)
+            (nn.functional.linear(x, w, b).sum() + (x @ w).sum()).backward()
+    except RuntimeError as e:  # out of memory, say: the first step allocates them instead
+        log.debug("actcfg: cuBLAS's workspaces not allocated ahead: %s", e)
