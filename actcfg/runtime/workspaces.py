@@ -7,9 +7,8 @@ thread, which runs the backward and a checkpoint's recompute (32 MiB each on an 
 first step (a trainer given `plan_file=`, a script that applies a written plan), both were
 allocated inside that step, above its start, where no later step has them: on an H200 the
 first step of a plan on the blocks stack peaked 64 MiB above its later steps (1.888 against
-1.824 GiB, the allocator's history showing the two workspaces as the difference), and a
-Lightning ZeRO-3 run given the plan file went 3% over its budget there (832.8 MiB in 808.5).
-The planner's profile never sees them (its warm-up steps allocate them), so its predictions
+1.824 GiB, the allocator's history showing the two workspaces as the difference), over what
+the planner predicts. The planner's profile never sees them (its warm-up steps allocate them), so its predictions
 are the later steps'. Allocating them here, on the stream the step will run on, puts them
 below the first step's start, as they are below every later one's; they would be allocated at
 that step anyway.
