@@ -64,9 +64,10 @@ def first_steps(policy: dict | None) -> list[int]:
 ], ids=["full", "full_offload", "rules"])
 def test_a_fresh_process_first_step_peaks_no_higher_than_its_later_steps(policy):
     """No higher, not equal: an offload plan's first step sends its groups before it knows which
-    stay for backward (actcfg.runtime.offload), and on the H200 it peaked 53 MiB below its
-    later steps for the rules case here; without the workspaces allocated at `apply`, each of
-    these first steps peaked 64 MiB above its later ones (2 x 32 MiB, torch 2.11)."""
+    stay for backward (actcfg.runtime.offload): on the H200 a rules plan of that kind on the
+    full-size blocks stack peaked 53 MiB below its later steps in its first step, and this
+    test's `rules` case failed an equality. Without the workspaces allocated at `apply`, a fresh
+    process's first step peaked 64 MiB above its later ones (2 x 32 MiB, torch 2.11)."""
     peaks = first_steps(policy)
     assert peaks[0] <= max(peaks[1:]) + MiB, (
         f"first step {peaks[0] / MiB:.1f} MiB above its start, later steps {[p / MiB for p in peaks[1:]]} MiB")
