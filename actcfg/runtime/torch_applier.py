@@ -36,6 +36,7 @@ from actcfg.errors import PolicyApplyError, TranslationError
 from actcfg.runtime.offload import OffloadEngine, loopback_enabled
 from actcfg.runtime.handle import AppliedPolicy
 from actcfg.runtime.reports import CheckpointCounters, CheckpointReport, OffloadReport, RuleReport
+from actcfg.runtime.workspaces import model_device
 from actcfg.policy.schema import Policy
 from actcfg.translators import CheckpointPlan, OffloadPlan, PlanRequest, RulesPlan, to_torch_native
 
@@ -82,10 +83,10 @@ def apply_torch(model: nn.Module, policy: Policy, handle: AppliedPolicy, mpu: An
 
 
 def _offload_device(model: nn.Module) -> torch.device:
-    tensors = [*model.parameters(), *model.buffers()]
-    device = tensors[0].device if tensors else (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-        else torch.device("cpu"))
+    device = model_device(model)
+    if device is None:  # no parameter or buffer: where a tensor would go by default
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
     if device.type == "cuda" or (device.type == "cpu" and loopback_enabled()):
         return device
     if not torch.cuda.is_available():
