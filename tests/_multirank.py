@@ -99,8 +99,22 @@ def write_result(out_dir: str, rank: int, result: dict[str, Any]) -> None:
 
 
 def finish() -> None:
-    """Wait for the other ranks, then end the group."""
+    """Wait for the other ranks, end the group and leave the process at once.
+
+    Call it last, after `write_result`. DeepSpeed's engines are reference cycles that may still
+    hold ZeRO-3's asynchronous gloo work; collected at interpreter exit, after the group is gone,
+    that work aborted a rank once in CI ("terminate called without an active exception", SIGABRT,
+    after the rank had trained; torch's own proposed fix, pytorch/pytorch#179291, was abandoned).
+    So the cycles are collected while the group still lives, and the process skips the
+    interpreter's teardown, which a rank whose result is written has no use for."""
+    import gc
+    import sys
+
     import torch.distributed as dist
 
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
