@@ -102,7 +102,7 @@ import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from typing import Any
 
 import torch
@@ -532,10 +532,36 @@ def _lists_parameters_plainly(module: nn.Module) -> bool:
             and all(type(m).named_modules is nn.Module.named_modules for m in module.modules()))
 
 
-def stays(tensor: torch.Tensor, device: torch.device, buffers: set[int],
+class _BufferStorages:
+    """The storages of the skipped modules' buffers on `device`, found the first time a step
+    asks (`stays` asks only for a saved tensor that requires no gradient): walking a model's
+    buffers visits each of its modules, about 550 Python calls a step on a stack of 32 small
+    blocks, and most steps save no tensor that could be one."""
+
+    __slots__ = ("_modules", "_device", "_found")
+
+    def __init__(self, modules: list[weakref.ref[nn.Module]], device: torch.device) -> None:
+        self._modules = modules
+        self._device = device
+        self._found: set[int] | None = None
+
+    def __contains__(self, ptr: object) -> bool:
+        if self._found is None:
+            self._found = {b.untyped_storage().data_ptr()
+                           for ref in self._modules if (module := ref()) is not None
+                           for b in module.buffers()
+                           if type(b) is torch.Tensor and b.device == self._device}
+        return ptr in self._found
+
+
+def stays(tensor: torch.Tensor, device: torch.device, buffers: Container[int],
           inputs: set[int] | frozenset[int] = frozenset()) -> str | None:
     """Why a saved tensor of offloadable size stays where it is, or None if it moves
-    (`buffers`, `inputs`: storages of the module's buffers and of the step's inputs)."""
+    (`buffers`, `inputs`: storages of the module's buffers and of the step's inputs). Only a
+    tensor that requires no gradient is looked up in `buffers`: a buffer does not (one that
+    does is a leaf, above), and neither does a view of one. A tensor that does and still shares
+    a buffer's storage (an autograd op that wrote into a buffer in place) would be moved: a copy
+    that frees nothing, never a wrong value (its version is checked as any other's)."""
     if type(tensor) is not torch.Tensor:
         return "parameter" if isinstance(tensor, nn.Parameter) else "subclass"
     if tensor.layout is not torch.strided:
@@ -547,10 +573,10 @@ def stays(tensor: torch.Tensor, device: torch.device, buffers: set[int],
     base = tensor._base
     if base is not None and (isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)):
         return "parameter"
-    if buffers and tensor.untyped_storage().data_ptr() in buffers:
-        return "buffer"
     if inputs and tensor.untyped_storage().data_ptr() in inputs:
         return "input"  # the caller's batch: its owner holds it for the whole step
+    if not tensor.requires_grad and tensor.untyped_storage().data_ptr() in buffers:
+        return "buffer"
     return None
 
 
@@ -631,7 +657,7 @@ class OffloadEngine:
         self._pool = shared or HostPool(pin, pin_budget, self._stats, node, register=register)
         self._copies = _Copies(self.device)
         self._skip_modules: list[weakref.ref[nn.Module]] = []
-        self._buffers: set[int] = set()
+        self._buffers = _BufferStorages([], self.device)
         self._inputs: set[int] = set()
         self._step: _Step | None = None
         self._owner: int | None = None
@@ -792,14 +818,9 @@ class OffloadEngine:
             if group.progress is not None and group.progress.waiting is group:
                 group.progress.waiting = None
         self._deferred = []
-        self._buffers = set()
+        self._buffers = _BufferStorages(self._skip_modules, self.device)
         self._inputs = {t.untyped_storage().data_ptr() for t in tree_flatten(inputs)[0]
                         if type(t) is torch.Tensor and t.device == self.device}
-        for ref in self._skip_modules:
-            if (module := ref()) is not None:
-                for b in module.buffers():
-                    if type(b) is torch.Tensor and b.device == self.device:
-                        self._buffers.add(b.untyped_storage().data_ptr())
         self._stats.begin_step()
         self._step = _Step()
         self._owner = threading.get_ident()

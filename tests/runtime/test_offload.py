@@ -97,6 +97,39 @@ def test_loopback_what_stays_in_place_is_decided_when_saved(host):
     (b + c.sum() + d).backward()
 
 
+def test_loopback_walks_the_buffers_only_when_a_saved_tensor_could_be_one(host):
+    # Walking a model's buffers visits every module; the engine does it once a step at most, and
+    # only when a tensor that requires no gradient is saved (a buffer, or a view of one).
+    from torch import nn as tnn
+
+    class Counting(tnn.Module):
+        walks = 0
+
+        def buffers(self, recurse: bool = True):
+            Counting.walks += 1
+            return super().buffers(recurse)
+
+    holder = Counting()
+    holder.register_buffer("b", torch.randn(64, 32))
+    host.skip_tensors_of(holder)
+    x = torch.randn(64, 32, requires_grad=True)
+    with host.step():  # saves only tensors that require grad: no walk
+        y = (x * 1.0).exp()
+        host.mark_group()
+        z = y.sum()
+    z.backward()
+    assert Counting.walks == 0 and host.stats.offloaded_bytes == 64 * 32 * 4
+    with host.step():  # a view of the buffer and a tensor built without grad: one walk
+        a = (x * 1.0) * holder.b[:32].repeat(2, 1)  # saves the repeat's output, not the buffer
+        c = (x * 1.0) * holder.b.t().t()  # saves a view of the buffer
+        d = (x * 1.0) * torch.ones(64, 32)
+        host.mark_group()
+        z = (a + c + d).sum()
+    z.backward()
+    assert Counting.walks == 1
+    assert host.stats.kept_bytes_by_reason["buffer"] == 64 * 32 * 4
+
+
 def test_loopback_min_offload_bytes_is_the_threshold(host):
     for n, moves in ((255, False), (256, True)):  # 256 floats = 1024 bytes
         host._stats.offloaded_bytes = 0
