@@ -59,7 +59,7 @@ def run_ranks(worker: Callable[..., None], out_dir: Path, *args: Any, world: int
     timeout = scaled(timeout)
 
     port = free_port()
-    context = mp.start_processes(worker, args=(str(out_dir), port, *args), nprocs=world,
+    context = mp.start_processes(_exit_after, args=(worker, str(out_dir), port, *args), nprocs=world,
                                  join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     while not context.join(timeout=max(0.1, deadline - time.monotonic())):
@@ -71,6 +71,24 @@ def run_ranks(worker: Callable[..., None], out_dir: Path, *args: Any, world: int
                 process.join(10)
             pytest.fail(f"the {world} ranks ran longer than {timeout:.0f} s and were stopped")
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world)]
+
+
+def _exit_after(rank: int, worker: Callable[..., None], *args: Any) -> None:
+    """Run `worker` on this rank; once it returns, leave the process without the interpreter's
+    teardown. A rank that had written its result aborted at exit 1 run in 5 to 6 on this
+    2-core machine ("terminate called without an active exception", SIGABRT; the CLI test and
+    the ZeRO-3 test, once in CI). gdb's backtrace: Python's finalization holds the GIL (its
+    last garbage collection) while a gloo `runLoop` thread drops the last reference to a
+    finished all-gather's work, whose tensors need the GIL to be freed; the thread, refused
+    the GIL while the interpreter finalizes, exits through a destructor that may not throw
+    (torch's proposed fix, pytorch/pytorch#179291, was abandoned). A raised exception still
+    travels as before: torch's spawn wrapper reports it."""
+    import sys
+
+    worker(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def init_group(rank: int, port: int, backend: str = "gloo", world: int = WORLD,
@@ -99,22 +117,8 @@ def write_result(out_dir: str, rank: int, result: dict[str, Any]) -> None:
 
 
 def finish() -> None:
-    """Wait for the other ranks, end the group and leave the process at once.
-
-    Call it last, after `write_result`. DeepSpeed's engines are reference cycles that may still
-    hold ZeRO-3's asynchronous gloo work; collected at interpreter exit, after the group is gone,
-    that work aborted a rank once in CI ("terminate called without an active exception", SIGABRT,
-    after the rank had trained; torch's own proposed fix, pytorch/pytorch#179291, was abandoned).
-    So the cycles are collected while the group still lives, and the process skips the
-    interpreter's teardown, which a rank whose result is written has no use for."""
-    import gc
-    import sys
-
+    """Wait for the other ranks, then end the group."""
     import torch.distributed as dist
 
-    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
