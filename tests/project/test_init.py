@@ -48,3 +48,63 @@ def test_ci_runs_exactly_the_readmes_test_command():
     assert ci == [commands[1]]
     for extra in ("hf", "lightning", "deepspeed", "test"):  # the stacks the tests go through
         assert extra in commands[1].split("'")[1]
+
+
+# What the light path reads: a policy, a policy with a mistake, and a ds_config with a comment
+# and a trailing comma (DeepSpeed reads those with hjson; validate must too, to name it).
+_LIGHT_FILES = {
+    "policy.yaml": "version: 1\ncheckpoint: {mode: full, modules: [Block]}\n",
+    "typo.yaml": "version: 1\ncheckpoint: {mode: full, modlues: [Block]}\n",
+    "ds_config.json": '{\n  // a comment\n  "train_batch_size": 8,\n  "activation_checkpointing": {},\n}\n',
+}
+
+
+def test_the_light_path_imports_only_the_base_install(tmp_path):
+    """`actcfg validate`, `import` and `translate --merge` import nothing beyond the standard
+    library and the base install's dependencies (with theirs): the pre-commit hook's environment
+    and a CI job get exactly those. hjson was missing from them: a commented ds_config then
+    read as a YAML syntax error in a fresh base install, not as the DeepSpeed config it is."""
+    import importlib.metadata as metadata
+    import re
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    for name, text in _LIGHT_FILES.items():
+        (tmp_path / name).write_text(text)
+    code = (
+        "import sys; from actcfg.cli import main\n"
+        "for argv in (['validate', 'policy.yaml', 'typo.yaml', 'ds_config.json'],\n"
+        "             ['import', 'ds_config.json', '--modules', 'Block'],\n"
+        "             ['translate', 'policy.yaml', '--merge', 'ds_config.json']):\n"
+        "    main(argv)\n"
+        "print('MODULES', ' '.join(sorted({m.split('.')[0] for m in sys.modules})))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)}, timeout=120)
+    assert "error deepspeed-config" in out.stdout, out.stdout + out.stderr
+    imported = set(out.stdout.rsplit("MODULES ", 1)[1].split()) - set(sys.stdlib_module_names)
+    # what the interpreter loads before any code (site's .pth files: certifi here)
+    startup = subprocess.run([sys.executable, "-c", "import sys; print(' '.join(sys.modules))"],
+                             capture_output=True, text=True, check=True).stdout.split()
+    imported -= {"actcfg", *startup}
+
+    def requirement(spec: str) -> str | None:
+        name, _, marker = spec.partition(";")
+        if "extra ==" in marker:
+            return None  # an optional extra of that dependency, not installed with it
+        return re.split(r"[<>=!~\[ (]", name.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+    base = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    closure, todo = set(), [requirement(s) for s in base]
+    while todo:
+        dist = todo.pop()
+        if dist is None or dist in closure:
+            continue
+        closure.add(dist)
+        todo.extend(requirement(s) for s in metadata.requires(dist) or [])
+    owners = metadata.packages_distributions()
+    # Judged by the distribution that installed each module; one that none did is no package
+    # (`__main__`, the module entries a Cython extension such as PyYAML's adds).
+    outside = {m: owners[m] for m in imported
+               if m in owners and not {d.lower().replace("_", "-") for d in owners[m]} & closure}
+    assert outside == {}, f"imported, not in the base install ({sorted(closure)}): {outside}"
