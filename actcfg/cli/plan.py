@@ -83,11 +83,11 @@ def _plan_here(args: argparse.Namespace, write: bool = True) -> int:
     from actcfg.verification import load_factory
 
     try:
-        factory = load_factory(args.model)
-        try:
+        try:  # before the model: a model module imports torch, and its ImportError says less
             import torch
         except ImportError:
             raise ActcfgError(f"actcfg plan needs torch, which is not installed: {install_command('torch')}") from None
+        factory = load_factory(args.model)
         if not torch.cuda.is_available():
             raise ActcfgError("actcfg plan profiles a training step on the GPU and needs a CUDA "
                               "GPU, but torch.cuda.is_available() is False here: run it on a GPU "

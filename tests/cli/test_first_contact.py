@@ -22,6 +22,16 @@ def test_verify_without_torch_says_it_needs_torch_and_the_extra_not_the_probe_im
                                         "python -m pip install -e '.[torch]' in the actcfg checkout\n")
 
 
+def test_plan_without_torch_says_it_needs_torch_before_importing_the_model(run_cli, monkeypatch, tmp_path):
+    # It imported the model first: "cannot import actcfg.probes: No module named 'torch'".
+    monkeypatch.setitem(sys.modules, "torch", None)
+    done = run_cli("plan", ROOT / "configs" / "torch-memory-budget.yaml", "--model", "actcfg.probes:blocks",
+                   "-o", tmp_path / "plan.yaml")
+    assert (done.code, done.err) == (2, "actcfg: error: actcfg plan needs torch, which is not installed: "
+                                        "python -m pip install -e '.[torch]' in the actcfg checkout\n")
+    assert not (tmp_path / "plan.yaml").exists()
+
+
 def test_verify_on_a_base_install_in_a_fresh_interpreter_says_the_same():
     """The subprocess that finds no torch: a meta-path finder refuses it, as a missing package."""
     code = (
