@@ -82,8 +82,14 @@ def write_file(path: str, text: str) -> None:
             with open(target, "w", encoding="utf-8") as handle:
                 handle.write(text)
             return
-        fd, temporary = tempfile.mkstemp(dir=os.path.dirname(target),
-                                         prefix=f".{os.path.basename(target)}.", suffix=".tmp")
+        folder = os.path.dirname(target)
+        try:
+            fd, temporary = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(target)}.",
+                                             suffix=".tmp")
+        except OSError as e:  # the target exists, its folder takes no new file (/proc, say)
+            raise Usage(f"cannot write {path}: {folder} takes no new file ({e.strerror or e}), "
+                        "and actcfg writes the whole file beside its target before replacing "
+                        "it; write it elsewhere, or to /dev/stdout and redirect") from None
         try:
             with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
                 handle.write(text)

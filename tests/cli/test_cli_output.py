@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -149,6 +150,23 @@ def test_a_read_only_file_is_refused_and_kept(tmp_path):
         os.rmdir(folder)
         os.unlink(policy)
         os.rmdir(readable)
+
+
+def test_a_file_in_a_folder_that_takes_no_new_file_is_refused_saying_so(run_cli):
+    # /proc/version exists and root may open it for writing, but /proc takes no new file: the
+    # temporary beside it failed, and the message said the target did not exist.
+    target = "/proc/version"
+    try:
+        os.close(os.open(target, os.O_WRONLY))
+    except OSError:
+        pytest.skip("this process may not open /proc/version for writing (not root)")
+    before = Path(target).read_text()
+    done = run_cli("schema", "-o", target)
+    assert (done.code, done.err) == (2, (
+        "actcfg: error: cannot write /proc/version: /proc takes no new file (No such file or "
+        "directory), and actcfg writes the whole file beside its target before replacing it; "
+        "write it elsewhere, or to /dev/stdout and redirect\n"))
+    assert Path(target).read_text() == before
 
 
 # --- actcfg plan: the target checked before any GPU work; the factory's failure ------------------
