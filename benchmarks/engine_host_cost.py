@@ -9,8 +9,10 @@ The engine makes the same decisions on the CPU, so this measures its host side t
 Llama (8 LlamaDecoderLayer) checkpointed per layer, with and without cpu_checkpointing, and per
 steady-state step (after the warm-up steps): garbage collections per generation (`gc.callbacks`),
 GC-tracked objects left alive by a step's forward (`gc.get_count` with collection off), calls of
-the host pool's background work, `module.parameters()` walks, and (--profile) the time spent
-in actcfg's own functions under cProfile. Not a timing benchmark: CPU compute dwarfs the engine
+the host pool's background work, `module.parameters()` walks, Python calls per layer in the
+forward and in the backward (frames entered, `sys.setprofile`; the checkpoint-only row is the
+baseline the engine's calls add to), and (--profile) the time spent in actcfg's own functions
+under cProfile. Not a timing benchmark: CPU compute dwarfs the engine
 here; the counts are what carry over to the GPU.
 """
 
@@ -21,6 +23,7 @@ import cProfile
 import gc
 import pstats
 import statistics
+import sys
 import time
 from collections import Counter
 from typing import Any
@@ -111,6 +114,7 @@ def run(policy: dict[str, Any], args: argparse.Namespace, counts: Counts) -> dic
         gc.enable()
         loss.backward()
         del loss
+    calls = python_calls_per_layer(model, ids, args.layers)
     own = None
     if args.profile:
         profile = cProfile.Profile()
@@ -126,11 +130,37 @@ def run(policy: dict[str, Any], args: argparse.Namespace, counts: Counts) -> dic
         "forward_objects": statistics.median(forward_objects),
         "pool_jobs_per_step": jobs / args.steps,
         "parameter_walks_per_step": walks / args.steps,
+        "python_calls_per_layer": calls,
         "offloaded_bytes": None if engine is None else engine.stats.offloaded_bytes,
         "actcfg_ms_per_step": own,
     }
     handle.remove()
     return result
+
+
+def python_calls_per_layer(model: nn.Module, ids: torch.Tensor, layers: int) -> dict[str, float]:
+    """Python frames entered per layer in one step's forward and in its backward (autograd's
+    thread included): on a launch-bound GPU forward each is host time, where the GPU waits."""
+    import threading
+
+    counts = {"forward": 0, "backward": 0}
+    phase = "forward"
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            counts[phase] += 1
+
+    model.zero_grad(set_to_none=True)
+    threading.setprofile(count)
+    sys.setprofile(count)
+    try:
+        loss = model(input_ids=ids, labels=ids).loss
+        phase = "backward"
+        loss.backward()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    return {k: v / layers for k, v in counts.items()}
 
 
 def actcfg_time(profile: cProfile.Profile, steps: int) -> tuple[float, list[tuple[str, int, float]]]:
