@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import sys
@@ -86,10 +87,13 @@ def write_file(path: str, text: str) -> None:
         try:
             fd, temporary = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(target)}.",
                                              suffix=".tmp")
-        except OSError as e:  # the target exists, its folder takes no new file (/proc, say)
-            raise Usage(f"cannot write {path}: {folder} takes no new file ({e.strerror or e}), "
-                        "and actcfg writes the whole file beside its target before replacing "
-                        "it; write it elsewhere, or to /dev/stdout and redirect") from None
+        except OSError as e:
+            if info is not None and e.errno in (errno.ENOENT, errno.EACCES, errno.EPERM, errno.EROFS):
+                # The target is there and writable, its folder takes no new file (/proc, say).
+                raise Usage(f"cannot write {path}: {folder} takes no new file ({e.strerror or e}), "
+                            "and actcfg writes the whole file beside its target before replacing "
+                            "it; write it elsewhere, or to /dev/stdout and redirect") from None
+            raise
         try:
             with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
                 handle.write(text)

@@ -533,10 +533,14 @@ def _lists_parameters_plainly(module: nn.Module) -> bool:
 
 
 class _BufferStorages:
-    """The storages of the skipped modules' buffers on `device`, found the first time a step
-    asks (`stays` asks only for a saved tensor that requires no gradient): walking a model's
-    buffers visits each of its modules, about 550 Python calls a step on a stack of 32 small
-    blocks, and most steps save no tensor that could be one."""
+    """The storages of the skipped modules' buffers on `device` (read live from each module's
+    `_buffers`, so a buffer replaced or written in place is seen as it is now), found the first
+    time a step asks. The modules are the ones in the tree when `skip_tensors_of` was called, a
+    flat list: `module.buffers()` walks the tree through nested generators, about 830 Python
+    calls a step on a tiny 8-layer Llama, in the launch-bound start of a GPU forward; the list
+    makes none. A module added to the tree later is not looked at: a buffer of its, saved, is
+    moved to the host while the module still holds it, a copy both ways that frees nothing
+    (its values checked as any other's), never a wrong gradient."""
 
     __slots__ = ("_modules", "_device", "_found")
 
@@ -549,7 +553,7 @@ class _BufferStorages:
         if self._found is None:
             self._found = {b.untyped_storage().data_ptr()
                            for ref in self._modules if (module := ref()) is not None
-                           for b in module.buffers()
+                           for b in module._buffers.values()
                            if type(b) is torch.Tensor and b.device == self._device}
         return ptr in self._found
 
@@ -557,11 +561,7 @@ class _BufferStorages:
 def stays(tensor: torch.Tensor, device: torch.device, buffers: Container[int],
           inputs: set[int] | frozenset[int] = frozenset()) -> str | None:
     """Why a saved tensor of offloadable size stays where it is, or None if it moves
-    (`buffers`, `inputs`: storages of the module's buffers and of the step's inputs). Only a
-    tensor that requires no gradient is looked up in `buffers`: a buffer does not (one that
-    does is a leaf, above), and neither does a view of one. A tensor that does and still shares
-    a buffer's storage (an autograd op that wrote into a buffer in place) would be moved: a copy
-    that frees nothing, never a wrong value (its version is checked as any other's)."""
+    (`buffers`, `inputs`: storages of the module's buffers and of the step's inputs)."""
     if type(tensor) is not torch.Tensor:
         return "parameter" if isinstance(tensor, nn.Parameter) else "subclass"
     if tensor.layout is not torch.strided:
@@ -575,7 +575,7 @@ def stays(tensor: torch.Tensor, device: torch.device, buffers: Container[int],
         return "parameter"
     if inputs and tensor.untyped_storage().data_ptr() in inputs:
         return "input"  # the caller's batch: its owner holds it for the whole step
-    if not tensor.requires_grad and tensor.untyped_storage().data_ptr() in buffers:
+    if tensor.untyped_storage().data_ptr() in buffers:
         return "buffer"
     return None
 
@@ -694,8 +694,9 @@ class OffloadEngine:
     # --- configuration -----------------------------------------------------------------
 
     def skip_tensors_of(self, module: nn.Module) -> None:
-        """Never offload `module`'s buffers (parameters are recognised as such when saved)."""
-        self._skip_modules.append(weakref.ref(module))
+        """Never offload the buffers of `module` and of the submodules it has now (parameters
+        are recognised as such when saved; see `_BufferStorages`)."""
+        self._skip_modules.extend(weakref.ref(m) for m in module.modules())
 
     @property
     def stats(self) -> OffloadStats:

@@ -459,13 +459,14 @@ def _lightning_deepspeed_worker(rank: int, out_dir: str, port: int, stage: int =
 @pytest.mark.parametrize("stage", [2, 3])
 def test_gpu_lightning_deepspeed_zero_plans_within_the_budget_and_trains_as_the_written_plan(tmp_path, stage):
     (result,) = run_ranks(_lightning_deepspeed_worker, tmp_path, stage, world=1, timeout=900)
-    # Every assertion below carries these numbers: a GPU call's output is often read by its
-    # last lines only (the eleventh session lost which assertion failed that way).
+    # Every assertion below carries these numbers (the plan's, its text): a GPU call's output is
+    # often read by its last lines only (the eleventh session lost which assertion failed).
     numbers = {k: v for k, v in result.items() if k not in ("planned", "given", "plan")}
     print(f"lightning deepspeed zero-{stage}:", numbers, result["plan"].splitlines()[:8])
     assert result["peak"] <= result["budget"] < result["plain"], numbers
     # it lowers memory by recompute or offload (H200, 2026-12-02, ZeRO-3: 2 offload, 2 keep)
-    assert any(f in result["plan"] for f in ("mode: full", "mode: selective", "cpu_checkpointing: true"))
+    assert any(f in result["plan"] for f in ("mode: full", "mode: selective", "cpu_checkpointing: true")), \
+        result["plan"]
     if stage == 3:
         # the profile reads ZeRO-3's gradients as its hooks hold them: plain's prediction and
         # the plan's within the issue's 5% of the first steps measured (under ZeRO-2 the
@@ -492,10 +493,10 @@ def test_gpu_lightning_deepspeed_zero_plans_within_the_budget_and_trains_as_the_
         # 808.5, 64 MiB above the planned run's first step; this session: equal to it)
         assert result["given_peak"] <= result["budget"], numbers
     assert result["planned_engine"] == result["given_engine"], numbers  # the profile added no micro-step
-    assert len(result["planned"]) == len(result["given"]) == STEPS
+    assert len(result["planned"]) == len(result["given"]) == STEPS, numbers
     # the same kernels on the same batches; rel 1e-6 leaves room for an atomic-add reduction
-    for a, b in zip(result["planned"], result["given"]):
-        assert a == pytest.approx(b, rel=1e-6)
+    for step, (a, b) in enumerate(zip(result["planned"], result["given"])):
+        assert a == pytest.approx(b, rel=1e-6), (step, numbers)
 
 
 # --- Hugging Face Trainer with FSDP2, one GPU, NCCL --------------------------------------------------

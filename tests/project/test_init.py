@@ -74,19 +74,31 @@ def test_the_light_path_imports_only_the_base_install(tmp_path):
         (tmp_path / name).write_text(text)
     code = (
         "import sys; from actcfg.cli import main\n"
-        "for argv in (['validate', 'policy.yaml', 'typo.yaml', 'ds_config.json'],\n"
-        "             ['import', 'ds_config.json', '--modules', 'Block'],\n"
-        "             ['translate', 'policy.yaml', '--merge', 'ds_config.json']):\n"
-        "    main(argv)\n"
-        "print('MODULES', ' '.join(sorted({m.split('.')[0] for m in sys.modules})))\n")
+        "codes = [main(argv) for argv in (\n"
+        "    ['validate', 'policy.yaml', 'typo.yaml', 'ds_config.json'],\n"
+        "    ['import', 'ds_config.json', '--modules', 'Block'],\n"
+        "    ['translate', 'policy.yaml', '--backend', 'deepspeed', '--merge', 'ds_config.json'])]\n"
+        "print('CODES', codes)\n"
+        "print('MODULES', ' '.join(sorted({m.split('.')[0] for m in sys.modules})))\n"
+        "import json; print('FILES', json.dumps({m: str(getattr(sys.modules[m], '__file__', None))\n"
+        "                                        for m in list(sys.modules) if '.' not in m}))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
                          env={**__import__("os").environ, "PYTHONPATH": str(root)}, timeout=120)
     assert "error deepspeed-config" in out.stdout, out.stdout + out.stderr
-    imported = set(out.stdout.rsplit("MODULES ", 1)[1].split()) - set(sys.stdlib_module_names)
+    assert "CODES [1, 0, 0]" in out.stdout, out.stdout + out.stderr  # every path ran to its end
+    assert '"train_batch_size": 8,' in out.stdout  # the merge printed the ds_config it edited
+    imported = set(out.stdout.rsplit("MODULES ", 1)[1].split("\n", 1)[0].split()) - set(sys.stdlib_module_names)
+    files = __import__("json").loads(out.stdout.rsplit("FILES ", 1)[1])
     # what the interpreter loads before any code (site's .pth files: certifi here)
     startup = subprocess.run([sys.executable, "-c", "import sys; print(' '.join(sys.modules))"],
                              capture_output=True, text=True, check=True).stdout.split()
     imported -= {"actcfg", *startup}
+
+    def requires(dist: str) -> list[str]:
+        try:
+            return metadata.requires(dist) or []
+        except metadata.PackageNotFoundError:  # a dependency for another platform, not installed
+            return []
 
     def requirement(spec: str) -> str | None:
         name, _, marker = spec.partition(";")
@@ -101,10 +113,17 @@ def test_the_light_path_imports_only_the_base_install(tmp_path):
         if dist is None or dist in closure:
             continue
         closure.add(dist)
-        todo.extend(requirement(s) for s in metadata.requires(dist) or [])
+        todo.extend(requirement(s) for s in requires(dist))
     owners = metadata.packages_distributions()
-    # Judged by the distribution that installed each module; one that none did is no package
-    # (`__main__`, the module entries a Cython extension such as PyYAML's adds).
+    # Judged by the distribution that installed each module. None installed these: the script
+    # itself, the interpreter's own files (`_sysconfigdata_*`, beside the standard library) and
+    # the module entries a Cython extension (PyYAML's) adds.
+    import sysconfig
+
+    stdlib = tuple(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib"))
+    unowned = {m for m in imported - set(owners) if m != "__main__" and not m.startswith("_cython_")
+               and m != "cython_runtime" and not files.get(m, "None").startswith(stdlib)}
+    assert unowned == set(), f"imported, installed by no distribution: {sorted(unowned)}"
     outside = {m: owners[m] for m in imported
                if m in owners and not {d.lower().replace("_", "-") for d in owners[m]} & closure}
     assert outside == {}, f"imported, not in the base install ({sorted(closure)}): {outside}"

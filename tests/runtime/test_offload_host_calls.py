@@ -4,7 +4,7 @@ on how many modules the model has: counted in Python calls, not timed.
 On the H200 a Llama stack's forward is launch-bound (the GPU's queue empty through it), so each
 Python call the engine makes there is step time. Its first version walked every buffer of the
 model at each step's start (on benchmarks/engine_host_cost.py's tiny Llama, 214 calls per
-layer over checkpointing alone, 110 without the walk).
+layer over checkpointing alone, 112 without the walk).
 """
 
 from __future__ import annotations
