@@ -12,7 +12,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from actcfg.errors import ActcfgError
+
 __all__ = ["Attention", "Block", "BlockStack", "MLP", "PartedBlock", "blocks", "linear_chain"]
+
+
+def _require_device(device: torch.device | str, name: str, on_cpu: str) -> None:
+    """A sentence, not torch's "Torch not compiled with CUDA enabled" traceback, where the probe's
+    default device (the GPU its sizes are for) is not here."""
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ActcfgError(f"actcfg.probes.{name} builds its model on the GPU (device='cuda', sized "
+                          f"for one), and torch sees no CUDA GPU here: on the CPU, pass a device "
+                          f"and a small size, e.g. {on_cpu}")
 
 
 def linear_chain(
@@ -23,6 +34,7 @@ def linear_chain(
     device: torch.device | str = "cuda",
 ) -> tuple[nn.Sequential, torch.Tensor]:
     """`nn.Sequential` of `n` `nn.Linear(width, width)` and an input of shape `(*shape, width)`."""
+    _require_device(device, "linear_chain", "linear_chain(n=2, width=64, shape=(4,), dtype=torch.float32, device='cpu')")
     model = nn.Sequential(*(nn.Linear(width, width) for _ in range(n))).to(device=device, dtype=dtype)
     x = torch.randn(*shape, width, device=device, dtype=dtype)
     return model, x
@@ -127,6 +139,8 @@ def blocks(
 ) -> tuple[BlockStack, torch.Tensor]:
     """A `BlockStack` of `n` blocks (`PartedBlock`s with `parts`) and an input of shape
     `(batch, seq, d_model)`."""
+    _require_device(device, "blocks", "blocks(n=2, d_model=64, heads=4, ffn=128, batch=2, seq=16, "
+                                      "dtype=torch.float32, device='cpu')")
     model = BlockStack(n, d_model, heads, ffn, parts).to(device=device, dtype=dtype)
     x = torch.randn(batch, seq, d_model, device=device, dtype=dtype)
     return model, x

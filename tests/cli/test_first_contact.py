@@ -78,3 +78,22 @@ def test_each_bundled_policy_that_offloads_says_it_needs_a_gpu(name):
     assert (ROOT / "configs" / name) in CONFIGS
     header = [line for line in (ROOT / "configs" / name).read_text().splitlines() if line.startswith("#")]
     assert any("needs a CUDA GPU" in line for line in header), header
+
+
+@pytest.mark.parametrize("probe", ["blocks", "linear_chain"])
+def test_a_probe_model_on_a_machine_without_a_gpu_is_a_sentence_with_a_cpu_call(probe):
+    # The README's memory-budget snippet, run on a CPU, ended in torch's "Torch not compiled
+    # with CUDA enabled" traceback from inside the probe.
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the probe builds on it")
+    import re
+
+    from actcfg import ActcfgError, probes
+
+    factory = getattr(probes, probe)
+    with pytest.raises(ActcfgError, match=rf"^actcfg\.probes\.{probe} builds its model on the GPU") as e:
+        factory()
+    call = re.search(rf"e\.g\. ({probe}\(.*\))$", str(e.value)).group(1)
+    model, x = eval(call, {probe: factory, "torch": torch})  # the suggested call works as written
+    assert next(model.parameters()).device.type == x.device.type == "cpu"
