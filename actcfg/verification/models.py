@@ -34,7 +34,8 @@ def linear_chain(
     device: torch.device | str = "cuda",
 ) -> tuple[nn.Sequential, torch.Tensor]:
     """`nn.Sequential` of `n` `nn.Linear(width, width)` and an input of shape `(*shape, width)`."""
-    _require_device(device, "linear_chain", "linear_chain(n=2, width=64, shape=(4,), dtype=torch.float32, device='cpu')")
+    _require_device(device, "linear_chain",
+                    "linear_chain(n=2, width=64, shape=(4,), dtype=torch.float32, device='cpu')")
     model = nn.Sequential(*(nn.Linear(width, width) for _ in range(n))).to(device=device, dtype=dtype)
     x = torch.randn(*shape, width, device=device, dtype=dtype)
     return model, x
