@@ -9,6 +9,7 @@ layer over checkpointing alone, 112 without the walk).
 
 from __future__ import annotations
 
+import gc
 import sys
 from typing import Any
 
@@ -54,11 +55,16 @@ def _forward_calls(unused: int, policy: dict[str, Any]) -> tuple[int, int]:
             model.zero_grad(set_to_none=True)
             model(x).square().mean().backward()
         model.zero_grad(set_to_none=True)
+        # A garbage collection inside the forward would run finalizers (Python calls) at a
+        # moment of its own choosing: CI counted 310 against 313 once with it on.
+        gc.collect()
+        gc.disable()
         sys.setprofile(count)
         try:
             loss = model(x).square().mean()
         finally:
             sys.setprofile(None)
+            gc.enable()
         loss.backward()
         moved = handle.engine.stats.offloaded_bytes if handle.engine is not None else 0
     return calls, moved
@@ -72,5 +78,6 @@ def test_the_engines_forward_calls_do_not_grow_with_modules_outside_its_blocks_w
         assert moved == 2 * 4 * 512 * 128 * 4  # n - 2 block inputs left the device
         added[unused] = offloaded - plain
     # 256 more modules, each with a buffer: not one more call (the walk at each step's start
-    # made 3072 more: 3575 against 503)
-    assert added[64] == added[0] > 0, added
+    # made 3072 more: 3575 against 503). The slack is for calls this test does not control
+    # (a finalizer torch runs from a weak reference, say), far below one call per module.
+    assert added[0] > 0 and abs(added[64] - added[0]) <= 16, added
