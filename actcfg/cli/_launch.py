@@ -47,6 +47,16 @@ def refuse_run(args: argparse.Namespace, code: int, message: str | None,
     return code
 
 
+def require_torch(command: str) -> None:
+    """ActcfgError naming the extra to install where torch is missing: checked before the
+    model is imported, whose module imports torch and whose ImportError would say less."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise ActcfgError(f"{command} needs torch, which is not installed: "
+                          f"{install_command('torch')}") from None
+
+
 def launched_rank() -> int:
     """This process's rank under a launcher that starts several (torchrun sets RANK and
     WORLD_SIZE); 0 otherwise."""

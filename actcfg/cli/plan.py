@@ -9,9 +9,10 @@ from typing import Any
 
 from actcfg.backends import Backend
 from actcfg.cli._diagnostics import exit_code, report_diagnostics
-from actcfg.cli._launch import build_model, process_group, rank_zero_writes, refuse_run, to_device
+from actcfg.cli._launch import (build_model, process_group, rank_zero_writes, refuse_run,
+                                require_torch, to_device)
 from actcfg.cli._output import Usage, check_output, refuse_output_over, write_error, write_output
-from actcfg.errors import ActcfgError, install_command
+from actcfg.errors import ActcfgError
 from actcfg.policy.checker import check_file
 from actcfg.policy.diagnostics import escape_controls
 
@@ -83,10 +84,9 @@ def _plan_here(args: argparse.Namespace, write: bool = True) -> int:
     from actcfg.verification import load_factory
 
     try:
-        try:  # before the model: a model module imports torch, and its ImportError says less
-            import torch
-        except ImportError:
-            raise ActcfgError(f"actcfg plan needs torch, which is not installed: {install_command('torch')}") from None
+        require_torch("actcfg plan")
+        import torch
+
         factory = load_factory(args.model)
         if not torch.cuda.is_available():
             raise ActcfgError("actcfg plan profiles a training step on the GPU and needs a CUDA "

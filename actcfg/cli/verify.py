@@ -9,9 +9,9 @@ from typing import Any
 
 from actcfg.backends import RUNTIME_BACKENDS, Backend
 from actcfg.cli._diagnostics import exit_code, report_diagnostics
-from actcfg.cli._launch import process_group, rank_zero_writes, refuse_run
+from actcfg.cli._launch import process_group, rank_zero_writes, refuse_run, require_torch
 from actcfg.cli._output import Usage, write_error, write_output
-from actcfg.errors import ActcfgError, install_command
+from actcfg.errors import ActcfgError
 from actcfg.policy.checker import check_file
 from actcfg.policy.diagnostics import escape_controls
 
@@ -22,14 +22,6 @@ def run(args: argparse.Namespace) -> int:
     """Under torchrun every rank measures and judges alike; only rank 0 writes (the report, the
     plot, the errors), and every rank returns the exit code of the same verdicts."""
     return rank_zero_writes(_verify_here, args)
-
-
-def _require_torch(command: str) -> None:
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        raise ActcfgError(f"{command} needs torch, which is not installed: "
-                          f"{install_command('torch')}") from None
 
 
 def _verify_here(args: argparse.Namespace, write: bool = True) -> int:
@@ -46,7 +38,7 @@ def _verify_here(args: argparse.Namespace, write: bool = True) -> int:
         return refuse_run(args, 2, f"--steps must be at least 1, got {args.steps}")
     backend = Backend.parse(args.backend) if args.backend else policy.backend
     try:  # what would stop the run is found before the GPU work, and is a usage error
-        _require_torch("actcfg verify")  # before the model: the default probe model needs it too
+        require_torch("actcfg verify")  # before the model: the default probe model needs it too
         factory = load_factory(args.model or DEFAULT_MODEL)
         require_cuda()
         if args.plot:
