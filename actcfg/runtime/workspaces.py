@@ -8,8 +8,8 @@ first step (a trainer given `plan_file=`, a script that applies a written plan),
 allocated inside that step, above its start, where no later step has them: on an H200 the
 first step of a plan on the blocks stack peaked 64 MiB above its later steps (1.888 against
 1.824 GiB, the allocator's history showing the two workspaces as the difference), over what
-the planner predicts. The planner's profile never sees them (its warm-up steps allocate them), so its predictions
-are the later steps'. Allocating them here, on the stream the step will run on, puts them
+the planner predicts. The planner's profile never sees them (its warm-up steps allocate
+them), so its predictions are the later steps'. Allocating them here, on the stream the step will run on, puts them
 below the first step's start, as they are below every later one's; they would be allocated at
 that step anyway.
 """
