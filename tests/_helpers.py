@@ -6,6 +6,8 @@ keeping their own copies, so a change to what "the plain gradients" means is mad
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -182,3 +184,21 @@ def watch_host_pools(monkeypatch: Any) -> tuple[list[tuple[int, str]], list[Any]
     monkeypatch.setattr(offload_pool, "_touched", watched)
     monkeypatch.setattr(offload_pool.HostPool, "__init__", counted)
     return made, pools
+
+
+def python_calls(step: Callable[[], Any]) -> int:
+    """Python function calls (frames entered) while `step` runs."""
+    calls = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event == "call":
+            calls += 1
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(previous)
+    return calls

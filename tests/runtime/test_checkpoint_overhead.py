@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import copy
 import functools
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from actcfg.api import apply
-from _helpers import grads_of, small_blocks
+from _helpers import grads_of, python_calls, small_blocks
 
 FULL = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]}}
 
@@ -53,24 +52,6 @@ def aten_ops(step: Callable[[], Any]) -> collections.Counter[str]:
     with AtenOps() as counting:
         step()
     return counting.ops
-
-
-def python_calls(step: Callable[[], Any]) -> int:
-    """Python function calls (frames entered) while `step` runs."""
-    calls = 0
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        nonlocal calls
-        if event == "call":
-            calls += 1
-
-    previous = sys.getprofile()
-    sys.setprofile(profile)
-    try:
-        step()
-    finally:
-        sys.setprofile(previous)
-    return calls
 
 
 def checkpoint_directly(blocks: nn.ModuleList) -> None:

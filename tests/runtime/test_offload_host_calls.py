@@ -10,7 +10,6 @@ layer over checkpointing alone, 112 without the walk).
 from __future__ import annotations
 
 import gc
-import sys
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ from torch import nn
 from actcfg.api import apply
 from actcfg.runtime.offload import host_loopback
 from actcfg.verification.models import blocks
+from _helpers import python_calls
 
 CHECKPOINT = {"version": 1, "checkpoint": {"mode": "full", "modules": ["Block"]}}
 OFFLOAD = {**CHECKPOINT, "cpu_checkpointing": True}
@@ -43,13 +43,6 @@ def _stack(unused: int) -> tuple[nn.Module, torch.Tensor]:
 def _forward_calls(unused: int, policy: dict[str, Any]) -> tuple[int, int]:
     """Python frames entered by one steady step's forward, and the bytes the engine moved."""
     model, x = _stack(unused)
-    calls = 0
-
-    def count(frame: Any, event: str, arg: Any) -> None:
-        nonlocal calls
-        if event == "call":
-            calls += 1
-
     with host_loopback(), apply(model, policy) as handle:
         for _ in range(2):  # the first step learns which groups stay for backward
             model.zero_grad(set_to_none=True)
@@ -59,13 +52,12 @@ def _forward_calls(unused: int, policy: dict[str, Any]) -> tuple[int, int]:
         # moment of its own choosing: CI counted 310 against 313 once with it on.
         gc.collect()
         gc.disable()
-        sys.setprofile(count)
+        losses = []
         try:
-            loss = model(x).square().mean()
+            calls = python_calls(lambda: losses.append(model(x).square().mean()))
         finally:
-            sys.setprofile(None)
             gc.enable()
-        loss.backward()
+        losses[0].backward()
         moved = handle.engine.stats.offloaded_bytes if handle.engine is not None else 0
     return calls, moved
 
