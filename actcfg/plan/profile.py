@@ -56,7 +56,7 @@ from actcfg.runtime.offload import (MIN_OFFLOAD_BYTES, RELOAD_STORAGES, WINDOW_S
                                     loopback_enabled)
 from actcfg.runtime.offload_pool import HostPool, shared_host_pool
 from actcfg.plan.cost import Run, assemble
-from actcfg.plan.parts import find_parts
+from actcfg.plan.parts import find_parts, input_storages
 from actcfg.plan.model import CHOICE_OF, CHOICES, OFFLOADS, Profile
 from actcfg.plan.probe import Backward, Meter, Probe, copy_bandwidth
 from actcfg.plan.sharded import deepspeed_backward
@@ -655,11 +655,16 @@ def profile(
                         "memory")
 
             counting = timing.begin()
+            part_inputs: list[list[int]] = []  # per part, what split_offload will copy of it
             for choice in counted:
                 if choice not in in_runs:
                     handle = apply(model, _uniform(taken(choice), choice, pin, pin_budget, compile))
+                    reading = input_storages(parts, part_inputs) \
+                        if choice == "keep" and "split_offload" in wanted and not compiled \
+                        else contextlib.nullcontext()
                     try:
-                        count(choice)
+                        with reading:
+                            count(choice)
                     finally:
                         handle.remove()
             # Eager, selective keeps its inputs (counted above) and its saved ops' outputs,
@@ -764,7 +769,11 @@ def profile(
                             and (_offload_outrun(runs, sizes, bandwidth, strict)
                                  or (budget is not None and not strict)))
                         copied = inputs if outrun else sizes
-                        pool.prepare(n for per in copied[:-1] for n in per if n >= MIN_OFFLOAD_BYTES)
+                        # And what split_offload copies, where keep's sizes are not prepared:
+                        # every part's inputs, the last block's too (what stays on the device
+                        # is the group after its last part).
+                        ahead = [*copied[:-1], *(part_inputs if outrun else ())]
+                        pool.prepare(n for per in ahead for n in per if n >= MIN_OFFLOAD_BYTES)
                 closing = time.perf_counter()
             if pool is not None:
                 timing.add("host_pool", (time.perf_counter() - closing) * 1000.0)

@@ -19,7 +19,7 @@ from actcfg.plan.parts import find_parts
 from actcfg.plan.profile import measure_steps, profile
 from actcfg.policy.checker import load
 from actcfg.policy.schema import Policy
-from _helpers import assert_grads_close, grads_of, tiny_llama
+from _helpers import assert_grads_close, grads_of, tiny_llama, watch_host_pools
 
 LAYER = "LlamaDecoderLayer"
 PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")  # module order
@@ -306,6 +306,29 @@ def test_split_offload_moves_each_blocks_part_inputs_and_holds_less_than_split(o
     # past the first block (whose attn input is the model's input, which stays) both part
     # inputs go to the host
     assert [b.options["split_offload"].moved for b in prof.blocks[1:]] == [2 * 2**20] * 3
+
+
+def test_the_host_pool_makes_split_offloads_buffers_ahead_when_a_part_input_is_no_block_inputs_size(
+        monkeypatch):
+    """A part whose input is wider than the block's (here `mlp.down`, after the 4x-wide GELU; in
+    a GPT-2 the GELU part itself) is copied in buffers of a size no block input has. Where the
+    pool prepares only the block inputs (the offload-everything run left out), the split_offload
+    run pinned those on demand inside its steps: 5 plain steps of a 24-step profile on an H200
+    GPT-2. The keep count now reads each part's inputs, and the pool makes them ahead."""
+    from actcfg.runtime.offload import host_loopback
+
+    made, pools = watch_host_pools(monkeypatch)
+    torch.manual_seed(0)
+    model, x = PartStack(4, 64), torch.randn(4096, 64)
+    with host_loopback():
+        prof = profile(model, ("PartBlock",), x, apply=apply, submodules=["mlp.down"],
+                       choices=WITH_SPLIT_OFFLOAD)
+    wide = 4096 * 4 * 64 * 4  # the GELU's output, down's input: 4 MiB
+    # every block's part moves its input, the last block's too
+    assert [b.options["split_offload"].moved for b in prof.blocks] == [wide] * 4
+    assert len(pools) == 1 and pools[0].stats.host_buffers_on_demand == 0
+    assert [n for n, _ in made].count(wide) >= 4
+    assert all(thread.startswith("actcfg-host-pool") for _, thread in made)
 
 
 def test_split_offload_plans_below_the_smallest_plan_without_it_and_fits(offloaded):
