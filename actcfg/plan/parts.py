@@ -65,17 +65,15 @@ def find_parts(blocks: Sequence[tuple[str, nn.Module]],
 
 
 @contextlib.contextmanager
-def input_storages(parts: Sequence[Sequence[tuple[str, nn.Module]]],
-                   into: list[list[int]]) -> Iterator[None]:
-    """While in the block, add to `into` (one list per part, in module order over every block)
-    the bytes of each storage a part's first call takes as a tensor input, each storage once per
-    part: what `split_offload` copies to the host (a checkpointed part keeps its inputs and
+def input_storages(parts: Sequence[Sequence[tuple[str, nn.Module]]], into: list[int]) -> Iterator[None]:
+    """While the `with` block runs, append to `into` the bytes of each storage a part's first
+    call takes as a tensor input (each storage once per part; parts in module order over every
+    block): what `split_offload` copies to the host (a checkpointed part keeps its inputs and
     nothing else). Read in the keep count, before any offload run, so the host pool can make
     their buffers ahead: a GPT-2 GELU part's input is its 4x-wide projection (100 MB at n_embd
     1536, batch 8 x 1024, bf16), which no block input matches in size, and pinning those on
     demand was 5 plain steps of a 24-step profile (H200)."""
     flat = [m for ps in parts for _, m in ps]
-    into[:] = [[] for _ in flat]
     called = [False] * len(flat)
 
     def record(index: int, args: tuple, kwargs: dict) -> None:
@@ -84,11 +82,9 @@ def input_storages(parts: Sequence[Sequence[tuple[str, nn.Module]]],
         called[index] = True
         seen: set[int] = set()
         for value in (*args, *kwargs.values()):
-            if isinstance(value, torch.Tensor):
-                storage = value.untyped_storage()
-                if storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    into[index].append(storage.nbytes())
+            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in seen:
+                seen.add(value.untyped_storage().data_ptr())
+                into.append(value.untyped_storage().nbytes())
 
     hooks = [m.register_forward_pre_hook(lambda _m, a, k, i=i: record(i, a, k), with_kwargs=True)
              for i, m in enumerate(flat)]

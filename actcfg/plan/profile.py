@@ -655,7 +655,7 @@ def profile(
                         "memory")
 
             counting = timing.begin()
-            part_inputs: list[list[int]] = []  # per part, what split_offload will copy of it
+            part_inputs: list[int] = []  # what split_offload will copy: its parts' inputs
             for choice in counted:
                 if choice not in in_runs:
                     handle = apply(model, _uniform(taken(choice), choice, pin, pin_budget, compile))
@@ -772,8 +772,8 @@ def profile(
                         # And what split_offload copies, where keep's sizes are not prepared:
                         # every part's inputs, the last block's too (what stays on the device
                         # is the group after its last part).
-                        ahead = [*copied[:-1], *(part_inputs if outrun else ())]
-                        pool.prepare(n for per in ahead for n in per if n >= MIN_OFFLOAD_BYTES)
+                        ahead = [n for per in copied[:-1] for n in per] + (part_inputs if outrun else [])
+                        pool.prepare(n for n in ahead if n >= MIN_OFFLOAD_BYTES)
                 closing = time.perf_counter()
             if pool is not None:
                 timing.add("host_pool", (time.perf_counter() - closing) * 1000.0)
