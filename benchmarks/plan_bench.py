@@ -622,15 +622,22 @@ def targets(rows: list[Row], workloads: list[str], meta: dict | None = None) -> 
         ck = next((r for r in rows if r.workload == w and r.variant == "checkpoint every 1"), None)
         ck_cpu = next((r for r in rows if r.workload == w and r.kind == "uniform"
                        and r.variant.startswith("checkpoint + cpu_checkpointing") and not r.skipped), None)
+        plain = next((r for r in rows if r.workload == w and r.kind == "plain"), None)
         if ck is not None and ck_cpu is not None and info.get("block_input"):
             # issue 17: offloading the checkpointed inputs keeps at most two of the n on the device
             n, one = len(info["blocks"]), info["block_input"]
             ratio, how = step_ratio(info, (ck_cpu.step_ms, ck.step_ms), (ck_cpu.variant, ck.variant))
+            # Only where checkpointing lowers the peak: a block that saves nothing but its input
+            # (the seed chain's Linear) checkpointed is the plain run, and its input offloaded is
+            # offloading everything, copy-bound; that is the transfer-bound target's, not this.
+            judged = plain is None or ck.peak < plain.peak
             add(w, f"checkpoint + cpu_checkpointing: peak <= checkpoint-only - (n - 2) block inputs "
-                   f"({n} blocks of {one / 2**20:.0f} MiB), step <= 1.01x checkpoint-only",
+                   f"({n} blocks of {one / 2**20:.0f} MiB), step <= 1.01x checkpoint-only"
+                   + ("" if judged else " (not a target: checkpointing does not lower this peak)"),
                 f"{ck_cpu.peak / GiB:.3f} vs {(ck.peak - (n - 2) * one) / GiB:.3f} GiB, "
                 f"{ratio:.3f}x{how}",
-                ck_cpu.peak <= ck.peak - (n - 2) * one and ratio <= 1.01 and ck_cpu.proof == "ok")
+                (ck_cpu.peak <= ck.peak - (n - 2) * one and ratio <= 1.01 and ck_cpu.proof == "ok")
+                if judged else None)
         soc = next((r for r in rows if r.workload == w and r.kind == "peer" and r.variant.startswith("torch save_on_cpu")
                     and not r.skipped and r.proof == "ok"), None)
         if everything is not None and soc is not None and info.get("block_saved"):

@@ -151,3 +151,15 @@ def test_the_one_percent_target_reads_the_interleaved_rounds_where_they_ran(benc
     }
     assert (target + "1.625 vs 1.625 GiB, 0.998x, interleaved 3 rounds | yes |"
             in "\n".join(bench.targets(rows, ["blocks"], meta)))
+
+
+def test_the_n_minus_2_target_is_not_judged_where_checkpointing_lowers_no_peak(bench):
+    """The seed chain's Linear saves nothing but its input: checkpointed, it peaks as plain does,
+    and its input offloaded is everything offloaded, copy-bound (3x checkpointing alone on the
+    H200). That row is shown, not judged: the transfer-bound target covers it."""
+    rows, meta = _rows(bench, everything_peak=1.4, tt_plan_ms=150.0)
+    rows[1].peak = rows[0].peak  # checkpoint every 1 peaks where plain does
+    rows[2].step_ms, rows[2].peak = 3 * 99.0, rows[0].peak
+    line = next(line for line in bench.targets(rows, ["blocks"], meta) if "(n - 2)" in line)
+    assert "(not a target: checkpointing does not lower this peak)" in line
+    assert line.endswith(", 3.000x | – |")
