@@ -540,6 +540,7 @@ def targets(rows: list[Row], workloads: list[str], meta: dict | None = None) -> 
 
     for w in workloads:
         plans = [r for r in rows if r.workload == w and r.kind == "plan"]
+        plain = next((r for r in rows if r.workload == w and r.kind == "plain"), None)
         for p in plans:
             if p.skipped:
                 add(w, f"{p.variant}: a plan", p.skipped, None)
@@ -591,7 +592,6 @@ def targets(rows: list[Row], workloads: list[str], meta: dict | None = None) -> 
                 add(w, f"{cp.variant}: predicted {what} within 5%", f"{err:+.1%}", abs(err) <= 0.05)
             # Issue 18: a plan costs no more than 20 steps of the plain (eager) model, compile
             # excluded; the model calls by part say what ran (counting forwards under counts).
-            plain = next((r for r in rows if r.workload == w and r.kind == "plain"), None)
             if plain is not None and plain.step_ms and cp.planning_s is not None:
                 ratio = cp.planning_s * 1000 / plain.step_ms
                 calls = ", ".join(f"{k} {n}" for k, n in cp.planning_steps.items())
@@ -622,7 +622,6 @@ def targets(rows: list[Row], workloads: list[str], meta: dict | None = None) -> 
         ck = next((r for r in rows if r.workload == w and r.variant == "checkpoint every 1"), None)
         ck_cpu = next((r for r in rows if r.workload == w and r.kind == "uniform"
                        and r.variant.startswith("checkpoint + cpu_checkpointing") and not r.skipped), None)
-        plain = next((r for r in rows if r.workload == w and r.kind == "plain"), None)
         if ck is not None and ck_cpu is not None and info.get("block_input"):
             # issue 17: offloading the checkpointed inputs keeps at most two of the n on the device
             n, one = len(info["blocks"]), info["block_input"]

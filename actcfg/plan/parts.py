@@ -82,9 +82,11 @@ def input_storages(parts: Sequence[Sequence[tuple[str, nn.Module]]], into: list[
         called[index] = True
         seen: set[int] = set()
         for value in (*args, *kwargs.values()):
-            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in seen:
-                seen.add(value.untyped_storage().data_ptr())
-                into.append(value.untyped_storage().nbytes())
+            if isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    into.append(storage.nbytes())
 
     hooks = [m.register_forward_pre_hook(lambda _m, a, k, i=i: record(i, a, k), with_kwargs=True)
              for i, m in enumerate(flat)]
